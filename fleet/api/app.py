@@ -1,0 +1,93 @@
+"""The FastAPI application: wiring only; the work happens in the services it calls."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+from starlette.responses import Response
+
+import fleet
+from fleet import db
+from fleet.api.metrics import FleetCollector, HttpMetrics
+from fleet.api.routes import deployments, health, inventory, servers, sites
+from fleet.api.routes import events as events_routes
+from fleet.crypto import SecretBox
+from fleet.errors import FleetError, ValidationFailed
+from fleet.settings import Settings, get_settings
+from fleet.validation import error_messages
+
+log = logging.getLogger("fleet.api")
+access_log = logging.getLogger("fleet.access")
+
+
+def prepare_database(settings: Settings, engine: Engine) -> None:
+    """The embedded default migrates itself; any other database must already be migrated."""
+    if settings.is_embedded:
+        db.upgrade(engine)
+    else:
+        db.check_migrated(engine)
+
+
+def create_app(
+    settings: Settings | None = None, engine: Engine | None = None, *, migrate: bool = True
+) -> FastAPI:
+    settings = settings or get_settings()
+    engine = engine or db.engine_from_settings(settings)
+    box = SecretBox(settings.resolve_secret_key())
+    if migrate:
+        prepare_database(settings, engine)
+
+    app = FastAPI(
+        title="Fleet",
+        version=fleet.__version__,
+        description="Inventory, power budgets and lifecycle of a bare-metal GPU inference fleet.",
+    )
+    app.state.settings, app.state.engine, app.state.box = settings, engine, box
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(engine))
+    app.state.registry = registry
+    http_metrics = HttpMetrics(registry)
+
+    @app.middleware("http")
+    async def access(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        start = time.perf_counter()
+        response = await http_metrics.middleware(request, call_next)
+        # Method, path and status only: bodies (which may carry BMC passwords) are never logged.
+        access_log.info(
+            "%s %s %d %.1fms",
+            request.method,
+            request.url.path,
+            response.status_code,
+            (time.perf_counter() - start) * 1000,
+        )
+        return response
+
+    @app.exception_handler(ValidationFailed)
+    async def _invalid(_: Request, exc: ValidationFailed) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "errors": exc.errors}, status_code=422)
+
+    @app.exception_handler(FleetError)
+    async def _fleet_error(_: Request, exc: FleetError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the input; ours names the place and never the value.
+        messages = error_messages(exc.errors())
+        body: dict[str, Any] = {"detail": "; ".join(messages), "errors": messages}
+        return JSONResponse(body, status_code=422)
+
+    app.include_router(health.router)
+    for module in (inventory, sites, servers, deployments, events_routes):
+        app.include_router(module.router, prefix="/api/v1")
+    return app

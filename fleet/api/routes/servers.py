@@ -1,0 +1,69 @@
+"""Servers, their GPUs, operator edits and operator state moves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from fleet import lifecycle
+from fleet.api.deps import BoxDep, Operator, PagingDep, SessionDep, Viewer
+from fleet.models import EventPublic, Pool, ServerPublic, ServerUpdate, TransitionRequest
+from fleet.servers import ServerFilter, get_server, list_gpus, list_servers, update_server
+from fleet.states import ServerState
+
+router = APIRouter(tags=["servers"])
+
+
+@router.get("/servers")
+def servers(
+    _: Viewer,
+    session: SessionDep,
+    paging: PagingDep,
+    site: str | None = None,
+    rack: str | None = None,
+    pool: Pool | None = None,
+    state: ServerState | None = None,
+    gpu_model: str | None = None,
+) -> dict[str, Any]:
+    where = ServerFilter(site=site, rack=rack, pool=pool, state=state, gpu_model=gpu_model)
+    count, results = list_servers(session, where, paging.limit, paging.offset)
+    return paging.page(count, results)
+
+
+@router.get("/servers/{name}")
+def server(name: str, _: Viewer, session: SessionDep) -> ServerPublic:
+    return get_server(session, name)
+
+
+@router.patch("/servers/{name}")
+def edit_server(
+    name: str, update: ServerUpdate, user: Operator, session: SessionDep, box: BoxDep
+) -> ServerPublic:
+    return update_server(session, name, update, box, user.actor)
+
+
+@router.post("/servers/{name}/transition")
+def transition(
+    name: str, move: TransitionRequest, user: Operator, session: SessionDep
+) -> dict[str, Any]:
+    """Move a server through the lifecycle; 409 if the move is not allowed from its state."""
+    event = lifecycle.transition(session, name, move.to, user.actor, move.reason)
+    return {
+        "server": get_server(session, name),
+        "event": EventPublic.model_validate(event.model_dump()) if event else None,
+    }
+
+
+@router.get("/servers/{name}/gpus")
+def server_gpus(name: str, _: Viewer, session: SessionDep, paging: PagingDep) -> dict[str, Any]:
+    count, results = list_gpus(session, name, paging.limit, paging.offset)
+    return paging.page(count, results)
+
+
+@router.get("/gpus")
+def gpus(
+    _: Viewer, session: SessionDep, paging: PagingDep, server: str | None = None
+) -> dict[str, Any]:
+    count, results = list_gpus(session, server, paging.limit, paging.offset)
+    return paging.page(count, results)

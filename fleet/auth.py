@@ -1,0 +1,79 @@
+"""Bearer tokens: issued once, stored as SHA-256, checked on every API request."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+from sqlmodel import Session, col, select
+
+from fleet.errors import FleetError, NotFoundError
+from fleet.models import ApiToken, Event, Role, Server
+
+TOKEN_PREFIX = "flt_"
+# Who may do what: each role includes the ones after it. Agents are outside this ladder: their
+# tokens only reach the agent endpoints, for their own server.
+_RANK = {Role.ADMIN: 3, Role.OPERATOR: 2, Role.VIEWER: 1, Role.AGENT: 0}
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    token_id: int
+    name: str
+    role: Role
+    server_id: int | None = None
+
+    def may(self, needed: Role) -> bool:
+        if needed is Role.AGENT or self.role is Role.AGENT:
+            return self.role is needed
+        return _RANK[self.role] >= _RANK[needed]
+
+    @property
+    def actor(self) -> str:
+        """How events name this caller."""
+        return f"{self.role.value}:{self.name}"
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_token(
+    session: Session, name: str, role: Role, server: str | None = None, actor: str = "fleetctl"
+) -> str:
+    """Store a new token and return its only plaintext copy."""
+    server_id = None
+    if role is Role.AGENT:
+        if server is None:
+            raise FleetError("an agent token needs --server: agent tokens act for one server")
+        row = session.exec(select(Server).where(Server.name == server)).one_or_none()
+        if row is None:
+            raise NotFoundError(f"no server named {server!r}")
+        server_id = row.id
+    elif server is not None:
+        raise FleetError("--server applies only to agent tokens")
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    session.add(ApiToken(name=name, role=role, token_hash=hash_token(token), server_id=server_id))
+    session.add(
+        Event(
+            subject_type="token",
+            subject=name,
+            actor=actor,
+            kind="token.created",
+            message=f"{role.value} token created",
+            details={"role": role.value, "server": server},
+        )
+    )
+    return token
+
+
+def authenticate(session: Session, token: str) -> Principal | None:
+    row = session.exec(
+        select(ApiToken).where(
+            ApiToken.token_hash == hash_token(token), col(ApiToken.revoked_at).is_(None)
+        )
+    ).one_or_none()
+    if row is None or row.id is None:
+        return None
+    return Principal(row.id, row.name, Role(row.role), row.server_id)

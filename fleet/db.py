@@ -1,0 +1,92 @@
+"""Database engine, sessions, and the Alembic migrations that are the only way the schema moves."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from fleet.settings import Settings
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+class NotMigratedError(RuntimeError):
+    """The database schema is behind the code."""
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs
+        )
+        sa.event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    # hide_parameters: bound values (ciphertext included) stay out of error messages and logs.
+    return sa.create_engine(url, pool_pre_ping=True, hide_parameters=True, **kwargs)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def engine_from_settings(settings: Settings) -> Engine:
+    return make_engine(settings.effective_database_url)
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """One transaction: committed on success, rolled back on any error."""
+    with Session(engine, expire_on_commit=False) as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+def alembic_config(engine: Engine) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["engine"] = engine
+    return config
+
+
+def head_revision() -> str | None:
+    script = ScriptDirectory(str(MIGRATIONS_DIR))
+    return script.get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    command.upgrade(alembic_config(engine), revision)
+
+
+def check_migrated(engine: Engine) -> None:
+    current, head = current_revision(engine), head_revision()
+    if current != head:
+        raise NotMigratedError(
+            f"database schema is at {current or 'nothing'}, code needs {head}: "
+            "run `fleetctl db upgrade`"
+        )

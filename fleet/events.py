@@ -1,0 +1,49 @@
+"""The event log: append-only, queried by subject, kind and time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlmodel import Session, col, select
+
+from fleet.models import Event, EventPublic
+
+
+@dataclass(frozen=True, slots=True)
+class EventFilter:
+    subject_type: str | None = None
+    subject: str | None = None
+    kind: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+
+def list_events(
+    session: Session, where: EventFilter, limit: int, offset: int
+) -> tuple[int, list[EventPublic]]:
+    conditions: list[Any] = []
+    if where.subject_type is not None:
+        conditions.append(Event.subject_type == where.subject_type)
+    if where.subject is not None:
+        conditions.append(Event.subject == where.subject)
+    if where.kind is not None:
+        # "server" matches server.transition, server.updated, …
+        conditions.append(
+            sa.or_(col(Event.kind) == where.kind, col(Event.kind).startswith(where.kind + "."))
+        )
+    if where.since is not None:
+        conditions.append(col(Event.at) >= where.since)
+    if where.until is not None:
+        conditions.append(col(Event.at) < where.until)
+    count = (
+        session.connection()
+        .execute(sa.select(sa.func.count()).select_from(Event).where(*conditions))
+        .scalar_one()
+    )
+    rows = session.exec(
+        select(Event).where(*conditions).order_by(col(Event.id).desc()).limit(limit).offset(offset)
+    )
+    return count, [EventPublic.model_validate(e.model_dump()) for e in rows]

@@ -1,0 +1,598 @@
+"""Compare a validated inventory file with the database, then write the difference at once.
+
+Every check that could fail runs before the first write, so a rejected file leaves the database
+exactly as it was; an accepted one is applied in the caller's single transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ValidationError
+from sqlmodel import Session, select
+
+from fleet import lifecycle
+from fleet.crypto import SecretBox
+from fleet.errors import ValidationFailed
+from fleet.gpu_specs import BUILTIN
+from fleet.inventory.schema import DeploymentIn, InventoryFile, ServerIn
+from fleet.models import (
+    Deployment,
+    DeploymentCreate,
+    Event,
+    Gpu,
+    GpuModelSpec,
+    PowerFeed,
+    Rack,
+    Server,
+    ServerCreate,
+    Site,
+    utcnow,
+)
+from fleet.power import Feed, ServerDraw, rack_power, side_watts
+from fleet.validation import place, validation_messages
+
+Kind = Literal["gpu_model", "site", "rack", "feed", "server", "deployment"]
+KINDS: tuple[Kind, ...] = ("gpu_model", "site", "rack", "feed", "server", "deployment")
+
+
+class Change(BaseModel):
+    action: Literal["create", "update"]
+    kind: Kind
+    name: str
+    fields: list[str] = []
+
+
+class ImportReport(BaseModel):
+    dry_run: bool
+    created: dict[str, int]
+    updated: dict[str, int]
+    unchanged: dict[str, int]
+    changes: list[Change]
+    warnings: list[str]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: desired rows, with the place each came from
+
+
+@dataclass
+class _ServerRow:
+    where: str
+    spec: ServerCreate
+
+
+@dataclass
+class _Plan:
+    gpu_models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sites: dict[str, dict[str, Any]] = field(default_factory=dict)
+    racks: dict[str, dict[str, Any]] = field(default_factory=dict)  # includes "site"
+    feeds: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    servers: dict[str, _ServerRow] = field(default_factory=dict)
+    deployments: dict[str, DeploymentCreate] = field(default_factory=dict)
+
+
+@dataclass
+class _Existing:
+    gpu_models: dict[str, GpuModelSpec]
+    sites: dict[str, Site]
+    racks: dict[str, Rack]
+    feeds: dict[tuple[int, str], PowerFeed]
+    servers: dict[str, Server]
+    deployments: dict[str, Deployment]
+
+    @classmethod
+    def load(cls, session: Session) -> _Existing:
+        return cls(
+            gpu_models={g.name: g for g in session.exec(select(GpuModelSpec))},
+            sites={s.name: s for s in session.exec(select(Site))},
+            racks={r.name: r for r in session.exec(select(Rack))},
+            feeds={(f.rack_id, f.name): f for f in session.exec(select(PowerFeed))},
+            servers={s.name: s for s in session.exec(select(Server))},
+            deployments={d.name: d for d in session.exec(select(Deployment))},
+        )
+
+
+def _server_spec(server: ServerIn, rack: str, where: str, errors: list[str]) -> ServerCreate | None:
+    try:
+        return ServerCreate(
+            name=server.name,
+            serial=server.serial,
+            rack=rack,
+            u_position=server.u,
+            u_height=server.u_height,
+            bmc_protocol=server.bmc.protocol,
+            bmc_address=server.bmc.address,
+            bmc_port=server.bmc.port,
+            bmc_username=server.bmc.username,
+            bmc_password=server.bmc.password,
+            bmc_system_id=server.bmc.system_id,
+            gpu_model=server.gpu.model,
+            gpu_count=server.gpu.count,
+            gpu_memory_mib=server.gpu.memory_mib or 0,
+            idle_w=server.power.idle_w,
+            standby_w=server.power.standby_w,
+            max_w=server.power.max_w,
+            pool=server.pool,
+            models_cached=list(server.models_cached),
+        )
+    except ValidationError as exc:
+        errors.extend(f"{where}.{m}" for m in validation_messages(exc))
+        return None
+
+
+def _deployment_spec(dep: DeploymentIn, where: str, errors: list[str]) -> DeploymentCreate | None:
+    try:
+        return DeploymentCreate(
+            name=dep.name,
+            model_uri=dep.model.uri,
+            model_checksum=dep.model.checksum,
+            engine_params=dict(dep.engine),
+            gpus_per_replica=dep.gpus_per_replica,
+            gpu_models=list(dep.gpu_models),
+            min_replicas=dep.replicas.min,
+            max_replicas=dep.replicas.max,
+            sla_p95_latency_ms=dep.sla.p95_latency_ms,
+            sla_ttft_ms=dep.sla.ttft_ms,
+            disruption_budget=dep.disruption_budget,
+        )
+    except ValidationError as exc:
+        for e in exc.errors():
+            msg = str(e.get("ctx", {}).get("error", e["msg"]))
+            loc = place(tuple(e["loc"]))
+            errors.append(f"{where}{'.' + loc if e['loc'] else ''}: {msg}")
+        return None
+
+
+def _collect(inv: InventoryFile, existing: _Existing, errors: list[str]) -> _Plan:
+    plan = _Plan()
+    first_seen: dict[tuple[str, str], str] = {}
+
+    def unique(kind: str, name: str, where: str) -> bool:
+        key = (kind, name)
+        if key in first_seen:
+            errors.append(
+                f"{where}.name: duplicate {kind} name {name!r} (first at {first_seen[key]})"
+            )
+            return False
+        first_seen[key] = where
+        return True
+
+    for i, g in enumerate(inv.gpu_models):
+        where = f"gpu_models[{i}]"
+        if g.name in BUILTIN:
+            errors.append(f"{where}.name: {g.name!r} is a built-in GPU model; use another name")
+        elif unique("GPU model", g.name, where):
+            plan.gpu_models[g.name] = g.model_dump(exclude={"name"})
+
+    def add_server(server: ServerIn, rack: str, where: str) -> None:
+        if not unique("server", server.name, where):
+            return
+        spec = _server_spec(server, rack, where, errors)
+        if spec is not None:
+            plan.servers[server.name] = _ServerRow(where, spec)
+
+    for si, site in enumerate(inv.sites):
+        swhere = f"sites[{si}]"
+        if unique("site", site.name, swhere):
+            plan.sites[site.name] = {"description": site.description}
+        for ri, rack in enumerate(site.racks):
+            rwhere = f"{swhere}.racks[{ri}]"
+            if unique("rack", rack.name, rwhere):
+                plan.racks[rack.name] = {
+                    "site": site.name,
+                    "u_height": rack.u_height,
+                    "status": rack.status,
+                    "description": rack.description,
+                }
+            for fi, feed in enumerate(rack.feeds):
+                fwhere = f"{rwhere}.feeds[{fi}]"
+                if (rack.name, feed.name) in plan.feeds:
+                    errors.append(
+                        f"{fwhere}.name: duplicate feed {feed.name!r} in rack {rack.name!r}"
+                    )
+                    continue
+                plan.feeds[(rack.name, feed.name)] = feed.model_dump(exclude={"name"})
+            for vi, server in enumerate(rack.servers):
+                add_server(server, rack.name, f"{rwhere}.servers[{vi}]")
+
+    for vi, racked in enumerate(inv.servers):
+        where = f"servers[{vi}]"
+        if racked.rack not in plan.racks and racked.rack not in existing.racks:
+            errors.append(
+                f"{where}.rack: unknown rack {racked.rack!r} (not in this file or the fleet)"
+            )
+            unique("server", racked.name, where)
+            continue
+        add_server(racked, racked.rack, where)
+
+    for di, dep in enumerate(inv.deployments):
+        where = f"deployments[{di}]"
+        if unique("deployment", dep.name, where):
+            spec = _deployment_spec(dep, where, errors)
+            if spec is not None:
+                plan.deployments[dep.name] = spec
+    return plan
+
+
+def _check(plan: _Plan, existing: _Existing, errors: list[str]) -> None:
+    """Rules across rows: GPU specs, rack space, BMC endpoints, serials, passwords."""
+    known_gpus = {
+        **{n: s.memory_mib for n, s in BUILTIN.items()},
+        **{n: g.memory_mib for n, g in existing.gpu_models.items()},
+        **{n: int(g["memory_mib"]) for n, g in plan.gpu_models.items()},
+    }
+    known_help = ", ".join(sorted(known_gpus))
+
+    def rack_height(rack: str) -> int:
+        if rack in plan.racks:
+            return int(plan.racks[rack]["u_height"])
+        return existing.racks[rack].u_height
+
+    rack_names = {r.id: n for n, r in existing.racks.items()}
+    # Occupancy starts with the servers the file does not mention (they stay where they are).
+    occupied: dict[str, list[tuple[int, int, str]]] = {}
+    endpoints: dict[tuple[str, int, str | None], str] = {}
+    serials: dict[str, str] = {}
+    for name, srv in existing.servers.items():
+        if name in plan.servers:
+            continue
+        occupied.setdefault(rack_names[srv.rack_id], []).append(
+            (srv.u_position, srv.u_position + srv.u_height - 1, f"server {name!r}")
+        )
+        endpoints[(srv.bmc_address, srv.bmc_port, srv.bmc_system_id)] = f"server {name!r}"
+        if srv.serial:
+            serials[srv.serial] = f"server {name!r}"
+
+    for name, row in plan.servers.items():
+        spec, where = row.spec, row.where
+        if spec.gpu_model not in known_gpus:
+            errors.append(
+                f"{where}.gpu.model: unknown GPU model {spec.gpu_model!r} "
+                f"(known: {known_help}; define it under gpu_models)"
+            )
+        elif spec.gpu_memory_mib == 0:
+            spec.gpu_memory_mib = known_gpus[spec.gpu_model]
+        if not spec.standby_w <= spec.idle_w <= spec.max_w:
+            errors.append(f"{where}.power: expected standby_w ≤ idle_w ≤ max_w")
+        lo, hi = spec.u_position, spec.u_position + spec.u_height - 1
+        height = rack_height(spec.rack)
+        if hi > height:
+            errors.append(f"{where}.u: U{lo}-U{hi} does not fit rack {spec.rack!r} ({height} U)")
+        for olo, ohi, who in occupied.get(spec.rack, []):
+            if lo <= ohi and olo <= hi:
+                errors.append(
+                    f"{where}.u: U{lo}-U{hi} in rack {spec.rack!r} overlaps {who} (U{olo}-U{ohi})"
+                )
+                break
+        occupied.setdefault(spec.rack, []).append((lo, hi, f"{where} ({name!r})"))
+        endpoint = (spec.bmc_address, spec.bmc_port, spec.bmc_system_id)
+        if endpoint in endpoints:
+            errors.append(
+                f"{where}.bmc: {spec.bmc_address}:{spec.bmc_port}"
+                f"{' system ' + spec.bmc_system_id if spec.bmc_system_id else ''} "
+                f"is already the BMC of {endpoints[endpoint]}"
+            )
+        endpoints[endpoint] = f"{where} ({name!r})"
+        if spec.serial:
+            if spec.serial in serials:
+                errors.append(
+                    f"{where}.serial: {spec.serial!r} is already used by {serials[spec.serial]}"
+                )
+            serials[spec.serial] = f"{where} ({name!r})"
+        if name not in existing.servers and spec.bmc_password is None:
+            errors.append(f"{where}.bmc.password: required for a new server")
+
+    for name, dep in plan.deployments.items():
+        for model in dep.gpu_models:
+            if model not in known_gpus:
+                errors.append(
+                    f"deployments[{list(plan.deployments).index(name)}].gpu_models: "
+                    f"unknown GPU model {model!r} (known: {known_help})"
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# Diff and apply
+
+
+def _diff(obj: Any, desired: dict[str, Any]) -> list[str]:
+    return [k for k, v in desired.items() if getattr(obj, k) != v]
+
+
+def _server_fields(spec: ServerCreate, rack_id: int | None) -> dict[str, Any]:
+    fields = spec.model_dump(exclude={"rack", "bmc_password", "name"})
+    fields["rack_id"] = rack_id
+    return fields
+
+
+def _warnings(plan: _Plan, existing: _Existing) -> list[str]:
+    """Racks whose servers could exceed the budget with every one at max draw."""
+    out: list[str] = []
+    by_rack_existing: dict[int, list[Server]] = {}
+    for srv in existing.servers.values():
+        if srv.name not in plan.servers:
+            by_rack_existing.setdefault(srv.rack_id, []).append(srv)
+    planned_by_rack: dict[str, list[ServerCreate]] = {}
+    for row in plan.servers.values():
+        planned_by_rack.setdefault(row.spec.rack, []).append(row.spec)
+    for rack in sorted(set(plan.racks) | set(planned_by_rack)):
+        feeds: dict[str, Feed] = {}
+        rack_row = existing.racks.get(rack)
+        if rack_row is not None:
+            for (rid, fname), feed_row in existing.feeds.items():
+                if rid == rack_row.id:
+                    feeds[fname] = Feed(
+                        feed_row.side,
+                        feed_row.volts,
+                        feed_row.amps,
+                        feed_row.phase,
+                        feed_row.max_utilisation_pct,
+                    )
+        for (rname, fname), f in plan.feeds.items():
+            if rname == rack:
+                feeds[fname] = Feed(
+                    f["side"], f["volts"], f["amps"], f["phase"], f["max_utilisation_pct"]
+                )
+        draws = [ServerDraw(s.max_w, s.standby_w, on=False) for s in planned_by_rack.get(rack, [])]
+        if rack_row is not None:
+            draws += [
+                ServerDraw(s.max_w, s.standby_w, on=False)
+                for s in by_rack_existing.get(rack_row.id or -1, [])
+            ]
+        power = rack_power(feeds.values(), draws)
+        if power.oversubscribed_w > 0:
+            sides = side_watts(feeds.values())
+            side_text = ", ".join(f"{k} {v:,.0f} W" for k, v in sorted(sides.items()))
+            out.append(
+                f"rack {rack}: {len(draws)} servers at max draw need {power.all_on_w:,.0f} W, "
+                f"budget {power.budget_w:,.0f} W ({side_text or 'no feeds'}): "
+                f"oversubscribed by {power.oversubscribed_w:,.0f} W"
+            )
+    return out
+
+
+def plan(
+    session: Session, inv: InventoryFile, box: SecretBox
+) -> tuple[ImportReport, _Plan, _Existing]:
+    """Validate `inv` against the fleet and compute what an import would change (no writes)."""
+    existing = _Existing.load(session)
+    errors: list[str] = []
+    desired = _collect(inv, existing, errors)
+    _check(desired, existing, errors)
+    if errors:
+        raise ValidationFailed(errors)
+
+    changes: list[Change] = []
+    created = dict.fromkeys(KINDS, 0)
+    updated = dict.fromkeys(KINDS, 0)
+    unchanged = dict.fromkeys(KINDS, 0)
+
+    def record(kind: Kind, name: str, obj: Any, fields: list[str]) -> None:
+        if obj is None:
+            changes.append(Change(action="create", kind=kind, name=name))
+            created[kind] += 1
+        elif fields:
+            changes.append(Change(action="update", kind=kind, name=name, fields=fields))
+            updated[kind] += 1
+        else:
+            unchanged[kind] += 1
+
+    for name, g in desired.gpu_models.items():
+        gobj = existing.gpu_models.get(name)
+        record("gpu_model", name, gobj, _diff(gobj, g) if gobj else [])
+    for name, s in desired.sites.items():
+        siteobj = existing.sites.get(name)
+        record("site", name, siteobj, _diff(siteobj, s) if siteobj else [])
+    site_ids = {n: s.id for n, s in existing.sites.items()}
+    for name, r in desired.racks.items():
+        robj = existing.racks.get(name)
+        fields: list[str] = []
+        if robj is not None:
+            fields = _diff(robj, {k: r[k] for k in ("u_height", "status", "description")})
+            if site_ids.get(r["site"]) != robj.site_id:
+                fields.append("site")
+        record("rack", name, robj, fields)
+    rack_ids = {n: r.id for n, r in existing.racks.items()}
+    for (rack, fname), f in desired.feeds.items():
+        rid = rack_ids.get(rack)
+        fobj = existing.feeds.get((rid, fname)) if rid is not None else None
+        record("feed", f"{rack}/{fname}", fobj, _diff(fobj, f) if fobj else [])
+    for name, row in desired.servers.items():
+        sobj = existing.servers.get(name)
+        fields = []
+        if sobj is not None:
+            fields = _diff(sobj, _server_fields(row.spec, rack_ids.get(row.spec.rack)))
+            fields = ["rack" if f == "rack_id" else f for f in fields]
+            if row.spec.bmc_password is not None and (
+                box.decrypt(sobj.bmc_password_encrypted) != row.spec.bmc_password.get_secret_value()
+            ):
+                fields.append("bmc_password")
+        record("server", name, sobj, fields)
+    for name, d in desired.deployments.items():
+        dobj = existing.deployments.get(name)
+        record(
+            "deployment", name, dobj, _diff(dobj, d.model_dump(exclude={"name"})) if dobj else []
+        )
+
+    report = ImportReport(
+        dry_run=True,
+        created=created,
+        updated=updated,
+        unchanged=unchanged,
+        changes=changes,
+        warnings=_warnings(desired, existing),
+    )
+    return report, desired, existing
+
+
+def apply_plan(
+    session: Session,
+    report: ImportReport,
+    desired: _Plan,
+    existing: _Existing,
+    box: SecretBox,
+    actor: str,
+) -> None:
+    """Write `desired` (already validated by `plan`) into the session; the caller commits."""
+    now = utcnow()
+    touched = {(c.kind, c.name) for c in report.changes}
+
+    for name, g in desired.gpu_models.items():
+        if ("gpu_model", name) in touched:
+            gobj = existing.gpu_models.get(name) or GpuModelSpec(name=name, **g)
+            for k, v in g.items():
+                setattr(gobj, k, v)
+            session.add(gobj)
+
+    sites = dict(existing.sites)
+    for name, s in desired.sites.items():
+        if ("site", name) in touched:
+            site = sites.get(name) or Site(name=name)
+            site.description, site.updated_at = s["description"], now
+            session.add(site)
+            sites[name] = site
+    session.flush()
+
+    racks = dict(existing.racks)
+    for name, r in desired.racks.items():
+        if ("rack", name) in touched:
+            site_id = sites[r["site"]].id
+            assert site_id is not None
+            rack = racks.get(name) or Rack(name=name, site_id=site_id)
+            rack.site_id, rack.u_height, rack.status = site_id, r["u_height"], r["status"]
+            rack.description, rack.updated_at = r["description"], now
+            session.add(rack)
+            racks[name] = rack
+    session.flush()
+
+    for (rack_name, fname), f in desired.feeds.items():
+        if ("feed", f"{rack_name}/{fname}") in touched:
+            rid = racks[rack_name].id
+            assert rid is not None
+            feed = existing.feeds.get((rid, fname)) or PowerFeed(name=fname, rack_id=rid, **f)
+            for k, v in f.items():
+                setattr(feed, k, v)
+            session.add(feed)
+
+    new_servers: list[Server] = []
+    for name, row in desired.servers.items():
+        if ("server", name) not in touched:
+            continue
+        values = _server_fields(row.spec, racks[row.spec.rack].id)
+        srv = existing.servers.get(name)
+        if srv is None:
+            assert row.spec.bmc_password is not None  # checked in plan()
+            srv = Server(
+                name=name,
+                bmc_password_encrypted=box.encrypt(row.spec.bmc_password.get_secret_value()),
+                **values,
+            )
+            lifecycle.enroll(session, srv, actor, "imported from an inventory file")
+            new_servers.append(srv)
+            continue
+        changed = next(c for c in report.changes if c.kind == "server" and c.name == name).fields
+        for k, v in values.items():
+            setattr(srv, k, v)
+        if "bmc_password" in changed and row.spec.bmc_password is not None:
+            srv.bmc_password_encrypted = box.encrypt(row.spec.bmc_password.get_secret_value())
+        srv.updated_at = now
+        session.add(srv)
+        session.add(
+            Event(
+                at=now,
+                subject_type="server",
+                subject=name,
+                actor=actor,
+                kind="server.updated",
+                message="updated from an inventory file",
+                details={"fields": changed},
+            )
+        )
+        _reconcile_gpus(session, srv)
+    session.flush()
+    _insert_gpus(session, new_servers)
+
+    for name, dspec in desired.deployments.items():
+        if ("deployment", name) in touched:
+            values = dspec.model_dump(exclude={"name"})
+            dep = existing.deployments.get(name) or Deployment(name=name, **values)
+            for k, v in values.items():
+                setattr(dep, k, v)
+            dep.updated_at = now
+            session.add(dep)
+
+    if report.changes:
+        session.add(
+            Event(
+                at=now,
+                subject_type="inventory",
+                subject="inventory",
+                actor=actor,
+                kind="inventory.imported",
+                message=", ".join(
+                    f"{k} +{report.created[k]} ~{report.updated[k]}"
+                    for k in KINDS
+                    if report.created[k] or report.updated[k]
+                ),
+                details={"created": report.created, "updated": report.updated},
+            )
+        )
+    session.flush()
+
+
+def _insert_gpus(session: Session, servers: Iterable[Server]) -> None:
+    rows = [
+        {
+            "server_id": s.id,
+            "index": i,
+            "model": s.gpu_model,
+            "memory_mib": s.gpu_memory_mib,
+            "health": "unknown",
+            "uuid": None,
+        }
+        for s in servers
+        for i in range(s.gpu_count)
+    ]
+    if rows:
+        session.execute(sa.insert(Gpu), rows)
+
+
+def _reconcile_gpus(session: Session, server: Server) -> None:
+    """Keep one Gpu row per index below gpu_count, matching the server's model and memory."""
+    gpus = {g.index: g for g in session.exec(select(Gpu).where(Gpu.server_id == server.id))}
+    for index, gpu in gpus.items():
+        if index >= server.gpu_count:
+            session.delete(gpu)
+        elif (gpu.model, gpu.memory_mib) != (server.gpu_model, server.gpu_memory_mib):
+            gpu.model, gpu.memory_mib = server.gpu_model, server.gpu_memory_mib
+            session.add(gpu)
+    for index in range(server.gpu_count):
+        if index not in gpus:
+            assert server.id is not None
+            session.add(
+                Gpu(
+                    server_id=server.id,
+                    index=index,
+                    model=server.gpu_model,
+                    memory_mib=server.gpu_memory_mib,
+                )
+            )
+
+
+def import_inventory(
+    session: Session, inv: InventoryFile, box: SecretBox, actor: str, *, dry_run: bool = False
+) -> ImportReport:
+    """Validate and (unless dry_run) apply `inv`; the caller's transaction commits or rolls back."""
+    report, desired, existing = plan(session, inv, box)
+    if not dry_run:
+        apply_plan(session, report, desired, existing, box, actor)
+        report = report.model_copy(update={"dry_run": False})
+    return report

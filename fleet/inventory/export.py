@@ -1,0 +1,104 @@
+"""The database written back out as an inventory file (without any BMC password)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from sqlmodel import Session, col, select
+
+from fleet.models import Deployment, GpuModelSpec, PowerFeed, Rack, Server, Site
+
+
+def export_inventory(session: Session) -> dict[str, Any]:
+    racks_by_site: dict[int, list[Rack]] = {}
+    for rack in session.exec(select(Rack).order_by(Rack.name)):
+        racks_by_site.setdefault(rack.site_id, []).append(rack)
+    feeds_by_rack: dict[int, list[PowerFeed]] = {}
+    for feed in session.exec(select(PowerFeed).order_by(PowerFeed.name)):
+        feeds_by_rack.setdefault(feed.rack_id, []).append(feed)
+    servers_by_rack: dict[int, list[Server]] = {}
+    for srv in session.exec(select(Server).order_by(col(Server.u_position), col(Server.name))):
+        servers_by_rack.setdefault(srv.rack_id, []).append(srv)
+
+    doc: dict[str, Any] = {}
+    specs = list(session.exec(select(GpuModelSpec).order_by(GpuModelSpec.name)))
+    if specs:
+        doc["gpu_models"] = [g.model_dump(exclude={"id"}) for g in specs]
+    doc["sites"] = [
+        {
+            "name": site.name,
+            "description": site.description,
+            "racks": [
+                {
+                    "name": rack.name,
+                    "u_height": rack.u_height,
+                    "status": str(rack.status),
+                    "description": rack.description,
+                    "feeds": [_feed(f) for f in feeds_by_rack.get(rack.id or -1, [])],
+                    "servers": [_server(s) for s in servers_by_rack.get(rack.id or -1, [])],
+                }
+                for rack in racks_by_site.get(site.id or -1, [])
+            ],
+        }
+        for site in session.exec(select(Site).order_by(Site.name))
+    ]
+    doc["deployments"] = [
+        _deployment(d) for d in session.exec(select(Deployment).order_by(Deployment.name))
+    ]
+    return doc
+
+
+def dump_yaml(doc: dict[str, Any]) -> str:
+    header = "# Fleet inventory export. BMC passwords are never exported: re-import keeps them.\n"
+    return header + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=100)
+
+
+def _feed(f: PowerFeed) -> dict[str, Any]:
+    return {
+        "name": f.name,
+        "side": str(f.side),
+        "volts": f.volts,
+        "amps": f.amps,
+        "phase": str(f.phase),
+        "max_utilisation_pct": f.max_utilisation_pct,
+    }
+
+
+def _server(s: Server) -> dict[str, Any]:
+    bmc: dict[str, Any] = {
+        "protocol": str(s.bmc_protocol),
+        "address": s.bmc_address,
+        "port": s.bmc_port,
+        "username": s.bmc_username,
+    }
+    if s.bmc_system_id is not None:
+        bmc["system_id"] = s.bmc_system_id
+    out: dict[str, Any] = {"name": s.name}
+    if s.serial is not None:
+        out["serial"] = s.serial
+    out.update(
+        {
+            "u": s.u_position,
+            "u_height": s.u_height,
+            "bmc": bmc,
+            "gpu": {"model": s.gpu_model, "count": s.gpu_count, "memory_mib": s.gpu_memory_mib},
+            "power": {"idle_w": s.idle_w, "standby_w": s.standby_w, "max_w": s.max_w},
+            "pool": str(s.pool),
+            "models_cached": list(s.models_cached),
+        }
+    )
+    return out
+
+
+def _deployment(d: Deployment) -> dict[str, Any]:
+    return {
+        "name": d.name,
+        "model": {"uri": d.model_uri, "checksum": d.model_checksum},
+        "engine": dict(d.engine_params),
+        "gpus_per_replica": d.gpus_per_replica,
+        "gpu_models": list(d.gpu_models),
+        "replicas": {"min": d.min_replicas, "max": d.max_replicas},
+        "sla": {"p95_latency_ms": d.sla_p95_latency_ms, "ttft_ms": d.sla_ttft_ms},
+        "disruption_budget": d.disruption_budget,
+    }

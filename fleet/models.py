@@ -1,0 +1,443 @@
+"""Every table of the fleet database, and the API models around them.
+
+Families follow one pattern: `XBase` (fields shared by all), `X` (the table), `XCreate` /
+`XUpdate` (what a client may send), `XPublic` (what a client may see). Secrets live only on the
+table and on `Create`/`Update` as `SecretStr`; no `Public` model has a field that could carry one.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import sqlalchemy as sa
+from pydantic import SecretStr, field_validator, model_validator
+from sqlalchemy.engine import Dialect
+from sqlmodel import Field, SQLModel
+from sqlmodel._compat import SQLModelConfig
+
+from fleet.states import ServerState
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UtcDateTime(sa.types.TypeDecorator[datetime]):
+    """Timezone-aware UTC timestamps on both backends (SQLite drops the zone on the way back)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given; use an aware UTC datetime")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _ts(**kw: Any) -> Any:
+    return Field(sa_type=UtcDateTime, **kw)
+
+
+def _json(default: Any) -> Any:
+    # JSON (not JSONB) so one migration serves SQLite and Postgres.
+    return Field(default_factory=default, sa_type=sa.JSON, nullable=False)
+
+
+def _enum(enum: type[StrEnum], **kw: Any) -> Any:
+    # Stored as plain strings: adding a value never needs an ALTER TYPE.
+    return Field(sa_type=sa.String(max(len(v) for v in enum)), **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Enumerations
+
+
+class RackStatus(StrEnum):
+    ACTIVE = "active"
+    PLANNED = "planned"
+    DECOMMISSIONED = "decommissioned"
+
+
+class FeedSide(StrEnum):
+    A = "A"
+    B = "B"
+
+
+class Phase(StrEnum):
+    SINGLE = "single"
+    THREE = "three"
+
+
+class BmcProtocol(StrEnum):
+    REDFISH = "redfish"
+    IPMI = "ipmi"
+
+
+class Pool(StrEnum):
+    BASELINE = "baseline"
+    WARM = "warm"
+
+
+class PowerState(StrEnum):
+    ON = "on"
+    OFF = "off"
+    UNKNOWN = "unknown"
+
+
+class Verdict(StrEnum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    UNHEALTHY = "unhealthy"
+
+
+class GpuHealth(StrEnum):
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    UNHEALTHY = "unhealthy"
+
+
+class Role(StrEnum):
+    ADMIN = "admin"
+    OPERATOR = "operator"
+    VIEWER = "viewer"
+    AGENT = "agent"
+
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sites, racks, power feeds
+
+
+class SiteBase(SQLModel):
+    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    description: str = Field(default="", max_length=500)
+
+
+class Site(SiteBase, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=63, unique=True, index=True)
+    created_at: datetime = _ts(default_factory=utcnow)
+    updated_at: datetime = _ts(default_factory=utcnow)
+
+
+class SitePublic(SiteBase):
+    rack_count: int
+    server_count: int
+    created_at: datetime
+
+
+class RackBase(SQLModel):
+    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    u_height: int = Field(default=42, ge=1, le=60)
+    status: RackStatus = _enum(RackStatus, default=RackStatus.ACTIVE)
+    description: str = Field(default="", max_length=500)
+
+
+class Rack(RackBase, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=63, unique=True, index=True)
+    site_id: int = Field(foreign_key="site.id", index=True)
+    created_at: datetime = _ts(default_factory=utcnow)
+    updated_at: datetime = _ts(default_factory=utcnow)
+
+
+class RackPublic(RackBase):
+    site: str
+    feeds: int
+    servers: int
+    budget_w: float
+    committed_w: float
+    headroom_w: float
+    all_on_w: float
+
+
+class PowerFeedBase(SQLModel):
+    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    side: FeedSide = _enum(FeedSide)
+    volts: float = Field(gt=0, le=1000)
+    amps: float = Field(gt=0, le=1000)
+    phase: Phase = _enum(Phase, default=Phase.SINGLE)
+    max_utilisation_pct: float = Field(default=80.0, gt=0, le=100)
+
+
+class PowerFeed(PowerFeedBase, table=True):
+    __tablename__ = "power_feed"
+    __table_args__ = (sa.UniqueConstraint("rack_id", "name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    rack_id: int = Field(foreign_key="rack.id", index=True)
+
+
+class PowerFeedPublic(PowerFeedBase):
+    rack: str
+    usable_w: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers and GPUs
+
+
+class ServerBase(SQLModel):
+    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    serial: str | None = Field(default=None, max_length=100)
+    u_position: int = Field(ge=1, le=60)
+    u_height: int = Field(default=1, ge=1, le=16)
+    bmc_protocol: BmcProtocol = _enum(BmcProtocol)
+    bmc_address: str = Field(max_length=255, min_length=1)
+    bmc_port: int = Field(ge=1, le=65535)
+    bmc_username: str = Field(max_length=100, min_length=1)
+    bmc_system_id: str | None = Field(default=None, max_length=255)
+    gpu_model: str = Field(max_length=32, index=True)
+    gpu_count: int = Field(ge=0, le=64)
+    gpu_memory_mib: int = Field(ge=0)
+    idle_w: float = Field(ge=0)
+    standby_w: float = Field(ge=0)
+    max_w: float = Field(gt=0)
+    pool: Pool = _enum(Pool, default=Pool.WARM, index=True)
+    models_cached: list[str] = _json(list)
+
+
+class Server(ServerBase, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=63, unique=True, index=True)
+    rack_id: int = Field(foreign_key="rack.id", index=True)
+    # Ciphertext only (fleet.crypto.SecretBox); never selected into an API model.
+    bmc_password_encrypted: str = Field(max_length=1000)
+    # Lifecycle state: written only by fleet.lifecycle.
+    state: ServerState = _enum(ServerState, default=ServerState.ENROLLED, index=True)
+    state_changed_at: datetime = _ts(default_factory=utcnow)
+    # Observations, kept apart from the state (docs/design.md).
+    power_state: PowerState = _enum(PowerState, default=PowerState.UNKNOWN)
+    power_state_at: datetime | None = _ts(default=None)
+    bmc_reachable: bool | None = None
+    last_heartbeat_at: datetime | None = _ts(default=None)
+    health_verdict: Verdict | None = _enum(Verdict, default=None)
+    created_at: datetime = _ts(default_factory=utcnow)
+    updated_at: datetime = _ts(default_factory=utcnow)
+
+
+class ServerCreate(ServerBase):
+    """A server as the inventory importer validates it (flat, references by name)."""
+
+    model_config = SQLModelConfig(extra="forbid")
+
+    rack: str
+    bmc_password: SecretStr | None = None
+
+
+class ServerUpdate(SQLModel):
+    """What an operator may change on a server through the API (not its state)."""
+
+    model_config = SQLModelConfig(extra="forbid")
+
+    pool: Pool | None = None
+    bmc_address: str | None = Field(default=None, max_length=255, min_length=1)
+    bmc_port: int | None = Field(default=None, ge=1, le=65535)
+    bmc_username: str | None = Field(default=None, max_length=100, min_length=1)
+    bmc_password: SecretStr | None = None
+    bmc_system_id: str | None = Field(default=None, max_length=255)
+    models_cached: list[str] | None = None
+
+
+class ServerPublic(ServerBase):
+    site: str
+    rack: str
+    state: ServerState
+    state_changed_at: datetime
+    power_state: PowerState
+    power_state_at: datetime | None
+    bmc_reachable: bool | None
+    last_heartbeat_at: datetime | None
+    health_verdict: Verdict | None
+    bmc_password_set: bool
+    created_at: datetime
+    updated_at: datetime
+
+
+class TransitionRequest(SQLModel):
+    model_config = SQLModelConfig(extra="forbid")
+
+    to: ServerState
+    reason: str = Field(min_length=1, max_length=500)
+
+
+class GpuBase(SQLModel):
+    index: int = Field(ge=0, le=63)
+    uuid: str | None = Field(default=None, max_length=64)
+    model: str = Field(max_length=32)
+    memory_mib: int = Field(ge=0)
+    health: GpuHealth = _enum(GpuHealth, default=GpuHealth.UNKNOWN)
+
+
+class Gpu(GpuBase, table=True):
+    __table_args__ = (sa.UniqueConstraint("server_id", "index"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    server_id: int = Field(foreign_key="server.id", index=True)
+    uuid: str | None = Field(default=None, max_length=64, unique=True)
+
+
+class GpuPublic(GpuBase):
+    server: str
+
+
+class GpuModelSpec(SQLModel, table=True):
+    """A GPU model added by an inventory file (built-in ones live in fleet.gpu_specs)."""
+
+    __tablename__ = "gpu_model_spec"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=32, unique=True, index=True)
+    memory_mib: int
+    tdp_w: float
+    idle_w: float
+    hbm_tb_s: float = 0
+    bf16_tflops: float = 0
+    fp8_tflops: float = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Deployments
+
+
+class DeploymentBase(SQLModel):
+    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    model_uri: str = Field(min_length=1, max_length=1000)
+    model_checksum: str = Field(min_length=1, max_length=200)
+    engine_params: dict[str, Any] = _json(dict)
+    gpus_per_replica: int = Field(default=1, ge=1, le=64)
+    gpu_models: list[str] = _json(list)
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int = Field(default=1, ge=0)
+    sla_p95_latency_ms: float = Field(gt=0)
+    sla_ttft_ms: float = Field(gt=0)
+    disruption_budget: int = Field(default=1, ge=1)
+
+
+def _check_replicas(min_replicas: int | None, max_replicas: int | None) -> None:
+    if min_replicas is not None and max_replicas is not None and min_replicas > max_replicas:
+        raise ValueError(f"min_replicas ({min_replicas}) exceeds max_replicas ({max_replicas})")
+
+
+def _check_engine_parallelism(params: dict[str, Any] | None, gpus_per_replica: int | None) -> None:
+    if params is None or gpus_per_replica is None:
+        return
+    tp, pp = params.get("tp_size", 1), params.get("pp_size", 1)
+    if not (isinstance(tp, int) and isinstance(pp, int)) or tp < 1 or pp < 1:
+        raise ValueError("engine_params.tp_size and pp_size must be positive integers")
+    if tp * pp != gpus_per_replica:
+        raise ValueError(
+            f"gpus_per_replica ({gpus_per_replica}) must equal tp_size × pp_size ({tp} × {pp})"
+        )
+
+
+class Deployment(DeploymentBase, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=63, unique=True, index=True)
+    created_at: datetime = _ts(default_factory=utcnow)
+    updated_at: datetime = _ts(default_factory=utcnow)
+
+
+class DeploymentCreate(DeploymentBase):
+    model_config = SQLModelConfig(extra="forbid")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DeploymentCreate:
+        _check_replicas(self.min_replicas, self.max_replicas)
+        _check_engine_parallelism(self.engine_params, self.gpus_per_replica)
+        return self
+
+
+class DeploymentUpdate(SQLModel):
+    model_config = SQLModelConfig(extra="forbid")
+
+    model_uri: str | None = Field(default=None, min_length=1, max_length=1000)
+    model_checksum: str | None = Field(default=None, min_length=1, max_length=200)
+    engine_params: dict[str, Any] | None = None
+    gpus_per_replica: int | None = Field(default=None, ge=1, le=64)
+    gpu_models: list[str] | None = None
+    min_replicas: int | None = Field(default=None, ge=0)
+    max_replicas: int | None = Field(default=None, ge=0)
+    sla_p95_latency_ms: float | None = Field(default=None, gt=0)
+    sla_ttft_ms: float | None = Field(default=None, gt=0)
+    disruption_budget: int | None = Field(default=None, ge=1)
+
+
+class DeploymentPublic(DeploymentBase):
+    created_at: datetime
+    updated_at: datetime
+
+
+def check_deployment(deployment: DeploymentBase) -> None:
+    """Cross-field rules for a deployment after an update is applied."""
+    _check_replicas(deployment.min_replicas, deployment.max_replicas)
+    _check_engine_parallelism(deployment.engine_params, deployment.gpus_per_replica)
+
+
+# ---------------------------------------------------------------------------------------------
+# Events (append-only) and API tokens
+
+
+class EventBase(SQLModel):
+    subject_type: str = Field(max_length=32)
+    subject: str = Field(max_length=255)
+    actor: str = Field(max_length=100)
+    kind: str = Field(max_length=64)
+    from_state: str | None = Field(default=None, max_length=32)
+    to_state: str | None = Field(default=None, max_length=32)
+    message: str = Field(default="", max_length=2000)
+    details: dict[str, Any] = _json(dict)
+
+
+class Event(EventBase, table=True):
+    __table_args__ = (sa.Index("ix_event_subject", "subject_type", "subject"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = _ts(default_factory=utcnow, index=True)
+    kind: str = Field(max_length=64, index=True)
+
+
+class EventPublic(EventBase):
+    id: int
+    at: datetime
+
+
+class ApiToken(SQLModel, table=True):
+    __tablename__ = "api_token"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=100)
+    role: Role = _enum(Role)
+    # SHA-256 of the token: tokens are 256-bit random, so a slow hash buys nothing.
+    token_hash: str = Field(max_length=64, unique=True, index=True)
+    # Agent tokens act for exactly one server.
+    server_id: int | None = Field(default=None, foreign_key="server.id")
+    created_at: datetime = _ts(default_factory=utcnow)
+    revoked_at: datetime | None = _ts(default=None)
+
+
+class Page(SQLModel):
+    """One page of a list endpoint."""
+
+    count: int
+    next: str | None
+    previous: str | None
+    results: list[Any]
+
+    @field_validator("results", mode="before")
+    @classmethod
+    def _as_list(cls, value: Any) -> list[Any]:
+        return list(value)

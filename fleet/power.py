@@ -1,0 +1,80 @@
+"""Rack power budgets: pure arithmetic on plain data (docs/design.md, "power feed").
+
+usable watts of a feed = V × A × (√3 for three-phase, V line-to-line) × max utilisation.
+A rack fed from both sides is budgeted at what its smaller side can carry, so losing a whole
+side (a PDU, a UPS, a utility feed) drops nothing. Committed draw counts a server at its
+maximum while it is on or on its way up, and at its standby (BMC-only) draw otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# Plain strings ("A"/"B", "single"/"three"): the models' StrEnums pass as they are.
+Side = str
+PhaseKind = str
+
+
+@dataclass(frozen=True, slots=True)
+class Feed:
+    side: Side
+    volts: float
+    amps: float
+    phase: PhaseKind = "single"
+    max_utilisation_pct: float = 80.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServerDraw:
+    max_w: float
+    standby_w: float
+    on: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RackPower:
+    budget_w: float
+    committed_w: float
+    all_on_w: float
+
+    @property
+    def headroom_w(self) -> float:
+        return self.budget_w - self.committed_w
+
+    @property
+    def oversubscribed_w(self) -> float:
+        """How far the rack would exceed its budget with every server at max draw (0 if not)."""
+        return max(0.0, self.all_on_w - self.budget_w)
+
+
+def feed_watts(feed: Feed) -> float:
+    phase_factor = math.sqrt(3) if feed.phase == "three" else 1.0
+    return feed.volts * feed.amps * phase_factor * feed.max_utilisation_pct / 100.0
+
+
+def side_watts(feeds: Iterable[Feed]) -> dict[Side, float]:
+    totals: dict[Side, float] = {}
+    for feed in feeds:
+        totals[feed.side] = totals.get(feed.side, 0.0) + feed_watts(feed)
+    return totals
+
+
+def rack_budget(feeds: Iterable[Feed]) -> float:
+    """Usable watts: the smaller side when both sides exist, else the one side present."""
+    sides = side_watts(feeds)
+    return min(sides.values()) if sides else 0.0
+
+
+def committed_watts(servers: Iterable[ServerDraw]) -> float:
+    return sum(s.max_w if s.on else s.standby_w for s in servers)
+
+
+def rack_power(feeds: Iterable[Feed], servers: Iterable[ServerDraw]) -> RackPower:
+    servers = list(servers)
+    return RackPower(
+        budget_w=rack_budget(feeds),
+        committed_w=committed_watts(servers),
+        all_on_w=sum(s.max_w for s in servers),
+    )

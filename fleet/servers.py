@@ -1,0 +1,130 @@
+"""Server queries and operator edits (state changes go through fleet.lifecycle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlmodel import Session, col, select
+
+from fleet.crypto import SecretBox
+from fleet.errors import NotFoundError
+from fleet.models import (
+    Event,
+    Gpu,
+    GpuPublic,
+    Pool,
+    Rack,
+    Server,
+    ServerPublic,
+    ServerUpdate,
+    Site,
+    utcnow,
+)
+from fleet.states import ServerState
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFilter:
+    site: str | None = None
+    rack: str | None = None
+    pool: Pool | None = None
+    state: ServerState | None = None
+    gpu_model: str | None = None
+
+
+def _public(server: Server, rack: str, site: str) -> ServerPublic:
+    data = server.model_dump(exclude={"bmc_password_encrypted", "id", "rack_id"})
+    return ServerPublic(
+        **data, rack=rack, site=site, bmc_password_set=bool(server.bmc_password_encrypted)
+    )
+
+
+def list_servers(
+    session: Session, where: ServerFilter, limit: int, offset: int
+) -> tuple[int, list[ServerPublic]]:
+    query = select(Server, Rack.name, Site.name).join(Rack).join(Site)
+    conditions: list[Any] = []
+    if where.site is not None:
+        conditions.append(Site.name == where.site)
+    if where.rack is not None:
+        conditions.append(Rack.name == where.rack)
+    if where.pool is not None:
+        conditions.append(Server.pool == where.pool)
+    if where.state is not None:
+        conditions.append(Server.state == where.state)
+    if where.gpu_model is not None:
+        conditions.append(Server.gpu_model == where.gpu_model)
+    query = query.where(*conditions)
+    count_query = (
+        sa.select(sa.func.count())
+        .select_from(Server)
+        .join(Rack, col(Rack.id) == Server.rack_id)
+        .join(Site, col(Site.id) == Rack.site_id)
+        .where(*conditions)
+    )
+    count = session.connection().execute(count_query).scalar_one()
+    rows = session.exec(query.order_by(col(Server.name)).limit(limit).offset(offset))
+    return count, [_public(s, rack, site) for s, rack, site in rows]
+
+
+def get_server(session: Session, name: str) -> ServerPublic:
+    row = session.exec(
+        select(Server, Rack.name, Site.name).join(Rack).join(Site).where(Server.name == name)
+    ).one_or_none()
+    if row is None:
+        raise NotFoundError(f"no server named {name!r}")
+    return _public(*row)
+
+
+def list_gpus(
+    session: Session, server: str | None, limit: int, offset: int
+) -> tuple[int, list[GpuPublic]]:
+    query = select(Gpu, Server.name).join(Server)
+    if server is not None:
+        if session.exec(select(Server.id).where(Server.name == server)).first() is None:
+            raise NotFoundError(f"no server named {server!r}")
+        query = query.where(Server.name == server)
+    count = (
+        session.connection()
+        .execute(sa.select(sa.func.count()).select_from(query.subquery()))
+        .scalar_one()
+    )
+    rows = session.exec(
+        query.order_by(col(Server.name), col(Gpu.index)).limit(limit).offset(offset)
+    )
+    return count, [
+        GpuPublic(**g.model_dump(exclude={"id", "server_id"}), server=s) for g, s in rows
+    ]
+
+
+def update_server(
+    session: Session, name: str, update: ServerUpdate, box: SecretBox, actor: str
+) -> ServerPublic:
+    """Apply an operator's edit and record which fields changed (never their secret values)."""
+    server = session.exec(select(Server).where(Server.name == name).with_for_update()).one_or_none()
+    if server is None:
+        raise NotFoundError(f"no server named {name!r}")
+    changes = update.model_dump(exclude_unset=True, exclude={"bmc_password"})
+    changed = [k for k, v in changes.items() if getattr(server, k) != v]
+    for key in changed:
+        setattr(server, key, changes[key])
+    if update.bmc_password is not None:
+        server.bmc_password_encrypted = box.encrypt(update.bmc_password.get_secret_value())
+        changed.append("bmc_password")
+    if changed:
+        server.updated_at = utcnow()
+        session.add(server)
+        session.add(
+            Event(
+                subject_type="server",
+                subject=name,
+                actor=actor,
+                kind="server.updated",
+                message="updated through the API",
+                details={"fields": changed},
+            )
+        )
+    session.commit()
+    return get_server(session, name)

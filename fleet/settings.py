@@ -1,0 +1,105 @@
+"""Service settings (`FLEET_*` environment variables) and the embedded-default data directory.
+
+The embedded default is a SQLite file plus a generated secret key in the data directory, so a
+first run needs no configuration. Any other database must come with an explicit secret key:
+silently generating one next to a shared Postgres would make the BMC credentials unreadable to
+every other service replica.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SECRET_KEY_FILE = "secret.key"
+DB_FILE = "fleet.db"
+
+
+def default_data_dir() -> Path:
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "share"
+    return base / "fleet"
+
+
+class ConfigError(RuntimeError):
+    """A setting is missing or unsafe; the message says which and what to set."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLEET_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    database_url: str | None = None
+    secret_key: SecretStr | None = None
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(default=8080, ge=1, le=65535)
+    log_level: str = "INFO"
+    # Paging of list endpoints: a client may ask for up to `max_page_size` rows.
+    default_page_size: int = Field(default=100, ge=1)
+    max_page_size: int = Field(default=1000, ge=1)
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_driver(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not value.startswith(("sqlite", "postgresql")):
+            raise ValueError("FLEET_DATABASE_URL must be sqlite:///… or postgresql+psycopg://…")
+        if value.startswith("postgresql://") or value.startswith("postgres://"):
+            # SQLAlchemy would pick psycopg2, which we do not ship.
+            return "postgresql+psycopg://" + value.split("://", 1)[1]
+        return value
+
+    @property
+    def is_embedded(self) -> bool:
+        """True when running on the embedded default (SQLite in the data directory)."""
+        return self.database_url is None
+
+    @property
+    def effective_database_url(self) -> str:
+        if self.database_url is not None:
+            return self.database_url
+        return f"sqlite:///{self.data_dir / DB_FILE}"
+
+    def resolve_secret_key(self) -> bytes:
+        """The Fernet key for BMC credentials; generated once for the embedded default."""
+        if self.secret_key is not None:
+            return self.secret_key.get_secret_value().encode()
+        if not self.is_embedded:
+            raise ConfigError(
+                "FLEET_SECRET_KEY is required with a non-default database "
+                "(generate one with `fleetctl secret-key` and give it to every service replica)"
+            )
+        return _embedded_secret_key(self.data_dir)
+
+
+def _embedded_secret_key(data_dir: Path) -> bytes:
+    from cryptography.fernet import Fernet
+
+    path = data_dir / SECRET_KEY_FILE
+    if path.exists():
+        return path.read_bytes().strip()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    key = Fernet.generate_key()
+    # O_EXCL + 0600: never widen permissions, and never race another process into two keys.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_bytes().strip()
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(key + b"\n")
+    print(
+        f"fleet: generated a new secret key for BMC credentials at {path} (mode 0600)",
+        file=sys.stderr,
+    )
+    return key
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
