@@ -34,6 +34,16 @@ class ServerFilter:
     gpu_model: str | None = None
 
 
+def _with_place() -> Any:
+    """Servers with their rack and site names."""
+    return (
+        select(Server, Rack.name, Site.name)
+        .select_from(Server)
+        .join(Rack, col(Rack.id) == Server.rack_id)
+        .join(Site, col(Site.id) == Rack.site_id)
+    )
+
+
 def _public(server: Server, rack: str, site: str) -> ServerPublic:
     data = server.model_dump(exclude={"bmc_password_encrypted", "id", "rack_id"})
     return ServerPublic(
@@ -44,7 +54,7 @@ def _public(server: Server, rack: str, site: str) -> ServerPublic:
 def list_servers(
     session: Session, where: ServerFilter, limit: int, offset: int
 ) -> tuple[int, list[ServerPublic]]:
-    query = select(Server, Rack.name, Site.name).join(Rack).join(Site)
+    query = _with_place()
     conditions: list[Any] = []
     if where.site is not None:
         conditions.append(Site.name == where.site)
@@ -70,9 +80,7 @@ def list_servers(
 
 
 def get_server(session: Session, name: str) -> ServerPublic:
-    row = session.exec(
-        select(Server, Rack.name, Site.name).join(Rack).join(Site).where(Server.name == name)
-    ).one_or_none()
+    row = session.exec(_with_place().where(Server.name == name)).one_or_none()
     if row is None:
         raise NotFoundError(f"no server named {name!r}")
     return _public(*row)
@@ -81,7 +89,7 @@ def get_server(session: Session, name: str) -> ServerPublic:
 def list_gpus(
     session: Session, server: str | None, limit: int, offset: int
 ) -> tuple[int, list[GpuPublic]]:
-    query = select(Gpu, Server.name).join(Server)
+    query = select(Gpu, Server.name).select_from(Gpu).join(Server, col(Server.id) == Gpu.server_id)
     if server is not None:
         if session.exec(select(Server.id).where(Server.name == server)).first() is None:
             raise NotFoundError(f"no server named {server!r}")

@@ -1,0 +1,660 @@
+"""fleetctl: the operator's command line, a thin front over the fleet's REST API.
+
+`serve`, `db` and `token create` work on the database directly (they start or bootstrap the
+service); every other command talks to a running service at --url / FLEET_URL with
+--token / FLEET_TOKEN. Errors are one line on stderr and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import httpx
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+
+def _typer(help: str, name: str | None = None) -> typer.Typer:
+    # Plain (non-rich) usage errors: one line an operator can grep, and exit code 2.
+    return typer.Typer(
+        name=name,
+        help=help,
+        no_args_is_help=True,
+        rich_markup_mode=None,
+        pretty_exceptions_enable=False,
+        add_completion=False,
+    )
+
+
+app = _typer("Operate a bare-metal GPU inference fleet.", name="fleetctl")
+db_app = _typer("Database schema (Alembic migrations).")
+token_app = _typer("API tokens (created directly in the database).")
+inventory_app = _typer("Inventory files: import, export, validate.")
+servers_app = _typer("GPU servers.")
+deployments_app = _typer("Deployments (served models).")
+app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+app.add_typer(inventory_app, name="inventory")
+app.add_typer(servers_app, name="servers")
+app.add_typer(deployments_app, name="deployments")
+
+# Piped output gets a wide console so tables are not squeezed to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 200)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class CliError(Exception):
+    """Shown as one line on stderr; exit code 1."""
+
+
+class Output(StrEnum):
+    TABLE = "table"
+    JSON = "json"
+
+
+Url = Annotated[
+    str, typer.Option("--url", envvar="FLEET_URL", help="Fleet service URL.", show_default=True)
+]
+Token = Annotated[
+    str | None,
+    typer.Option("--token", envvar="FLEET_TOKEN", help="Bearer token.", show_default=False),
+]
+Out = Annotated[Output, typer.Option("--output", "-o", help="table or json.")]
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def handled(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn every expected failure into one line on stderr and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from fleet.errors import FleetError
+        from fleet.settings import ConfigError
+
+        try:
+            return fn(*args, **kwargs)
+        except (CliError, FleetError, ConfigError, OSError) as exc:
+            message = (
+                str(exc) if not isinstance(exc, OSError) else f"{exc.strerror}: {exc.filename}"
+            )
+            typer.echo(f"error: {message}", err=True)
+            raise typer.Exit(1) from None
+        except httpx.HTTPError as exc:
+            typer.echo(f"error: {_http_error(exc)}", err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _http_error(exc: httpx.HTTPError) -> str:
+    url = str(exc.request.url) if exc.request is not None else "the fleet service"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot reach {url}: connection refused (is `fleetctl serve` running? see --url)"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"{url}: timed out"
+    return f"{url}: {exc}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The HTTP client
+
+
+class Api:
+    def __init__(self, url: str, token: str | None, timeout: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._client.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            raise CliError(_detail(response))
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
+
+    def pages(self, path: str, limit: int | None, **params: Any) -> Iterator[dict[str, Any]]:
+        """Rows of a paged list: `limit` rows, or all of them when limit is None."""
+        seen = 0
+        page = self.get(path, limit=min(limit, 1000) if limit else 1000, **params)
+        while True:
+            for row in page["results"]:
+                if limit is not None and seen >= limit:
+                    return
+                seen += 1
+                yield row
+            if not page["next"] or (limit is not None and seen >= limit):
+                return
+            page = self.request("GET", page["next"])
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text.strip()[:200]}"
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if isinstance(detail, str):
+        return detail
+    return f"HTTP {response.status_code}: {json.dumps(body)[:300]}"
+
+
+def _api(url: str, token: str | None) -> Api:
+    if not token:
+        raise CliError("no token: pass --token or set FLEET_TOKEN (`fleetctl token create`)")
+    return Api(url, token)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _show(
+    rows: Sequence[dict[str, Any]] | dict[str, Any],
+    output: Output,
+    columns: Sequence[tuple[str, str]] | None = None,
+    title: str | None = None,
+) -> None:
+    if output is Output.JSON:
+        typer.echo(json.dumps(rows, indent=2, default=str))
+        return
+    if isinstance(rows, dict):
+        table = Table(show_header=False, title=title)
+        table.add_column("field", style="bold")
+        table.add_column("value")
+        for key, value in rows.items():
+            table.add_row(key, _cell(value))
+        console.print(table)
+        return
+    assert columns is not None
+    table = Table(title=title)
+    for _, header in columns:
+        justify = "right" if header.endswith(("W", "#")) else "left"
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for row in rows:
+        table.add_row(*(_cell(row.get(key)) for key, _ in columns))
+    console.print(table)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.0f}"
+    if isinstance(value, list | dict):
+        return json.dumps(value) if value else "-"
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands that work on the database directly
+
+
+def _settings() -> Any:
+    from fleet.settings import get_settings
+
+    return get_settings()
+
+
+def _engine() -> Any:
+    from fleet import db
+
+    settings = _settings()
+    engine = db.engine_from_settings(settings)
+    if settings.is_embedded:
+        db.upgrade(engine)
+    else:
+        db.check_migrated(engine)
+    return engine
+
+
+@db_app.command("upgrade")
+@handled
+def db_upgrade() -> None:
+    """Migrate the database to the code's schema."""
+    from fleet import db
+
+    engine = db.engine_from_settings(_settings())
+    before = db.current_revision(engine)
+    db.upgrade(engine)
+    after = db.current_revision(engine)
+    typer.echo(f"database at {after}" + (f" (was {before or 'empty'})" if before != after else ""))
+
+
+@db_app.command("current")
+@handled
+def db_current() -> None:
+    """Show the schema revision of the database and of the code."""
+    from fleet import db
+
+    engine = db.engine_from_settings(_settings())
+    typer.echo(f"database: {db.current_revision(engine) or 'empty'}  code: {db.head_revision()}")
+
+
+@app.command("secret-key")
+def secret_key() -> None:
+    """Print a new key for FLEET_SECRET_KEY (encrypts BMC credentials at rest)."""
+    from cryptography.fernet import Fernet
+
+    typer.echo(Fernet.generate_key().decode())
+
+
+@token_app.command("create")
+@handled
+def token_create(
+    role: Annotated[str, typer.Option("--role", help="admin, operator, viewer or agent")],
+    name: Annotated[str | None, typer.Option("--name", help="Who or what holds it.")] = None,
+    server: Annotated[
+        str | None, typer.Option("--server", help="Agent tokens: the server.")
+    ] = None,
+) -> None:
+    """Create a token and print it (the only time it is shown)."""
+    from fleet.auth import create_token
+    from fleet.db import session_scope
+    from fleet.models import Role
+
+    try:
+        parsed = Role(role)
+    except ValueError:
+        raise CliError(f"--role must be one of {', '.join(r.value for r in Role)}") from None
+    with session_scope(_engine()) as session:
+        token = create_token(session, name or f"{parsed.value}-token", parsed, server)
+    typer.echo(token)
+
+
+@app.command("serve")
+@handled
+def serve(
+    host: Annotated[str | None, typer.Option(help="Listen address [FLEET_LISTEN_HOST].")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port [FLEET_LISTEN_PORT].")] = None,
+    import_file: Annotated[
+        Path | None, typer.Option("--import", help="Import this inventory file first.")
+    ] = None,
+    admin_token: Annotated[
+        bool, typer.Option("--admin-token", help="Create an admin token and print it.")
+    ] = False,
+) -> None:
+    """Run the fleet service (API, health, metrics)."""
+    import logging
+
+    import uvicorn
+
+    from fleet import db
+    from fleet.api import create_app
+    from fleet.auth import create_token
+    from fleet.inventory import import_inventory
+    from fleet.inventory.schema import parse_inventory
+    from fleet.models import Role
+
+    settings = _settings()
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    host, port = host or settings.listen_host, port or settings.listen_port
+    app_ = create_app(settings)
+    engine = app_.state.engine
+    if import_file is not None:
+        inv = parse_inventory(import_file.read_bytes())
+        with db.session_scope(engine) as session:
+            report = import_inventory(session, inv, app_.state.box, "fleetctl:serve")
+        _print_report(report.model_dump(), import_file)
+    where = (
+        "embedded SQLite at " + str(settings.data_dir / "fleet.db")
+        if settings.is_embedded
+        else "database from FLEET_DATABASE_URL"
+    )
+    typer.echo(f"Fleet {_version()} serving at http://{host}:{port}  ({where})")
+    if admin_token:
+        with db.session_scope(engine) as session:
+            token = create_token(session, "serve-admin", Role.ADMIN, actor="fleetctl:serve")
+        typer.echo(f"admin token: {token}")
+        typer.echo(
+            f"try:  export FLEET_URL=http://{host}:{port} FLEET_TOKEN={token}; fleetctl racks"
+        )
+    uvicorn.run(app_, host=host, port=port, log_level=settings.log_level.lower(), access_log=False)
+
+
+def _version() -> str:
+    import fleet
+
+    return fleet.__version__
+
+
+# ---------------------------------------------------------------------------------------------
+# Inventory
+
+
+def _print_report(report: dict[str, Any], path: Path | str) -> None:
+    verb = "would change" if report["dry_run"] else "changed"
+    created = {k: v for k, v in report["created"].items() if v}
+    updated = {k: v for k, v in report["updated"].items() if v}
+    unchanged = sum(report["unchanged"].values())
+    typer.echo(
+        f"{path}: {verb}: created {_counts(created)}; updated {_counts(updated)}; "
+        f"{unchanged} unchanged"
+    )
+    if report["dry_run"]:
+        for change in report["changes"]:
+            fields = f" ({', '.join(change['fields'])})" if change["fields"] else ""
+            typer.echo(f"  {change['action']} {change['kind']} {change['name']}{fields}")
+    for warning in report["warnings"]:
+        typer.echo(f"warning: {warning}", err=True)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{v} {k}{'s' if v != 1 else ''}" for k, v in counts.items()) or "nothing"
+
+
+def _send_inventory(api: Api, path: Path, endpoint: str, dry_run: bool) -> dict[str, Any]:
+    body = path.read_bytes()
+    try:
+        result: dict[str, Any] = api.request(
+            "POST",
+            f"/api/v1/inventory/{endpoint}",
+            params={"dry_run": "true"} if dry_run else None,
+            content=body,
+            headers={"Content-Type": "application/yaml"},
+        )
+    except CliError as exc:
+        raise CliError(f"{path}: {exc}") from None
+    return result
+
+
+@inventory_app.command("import")
+@handled
+def inventory_import(
+    file: Annotated[Path, typer.Argument(help="Inventory YAML file.")],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show changes, write nothing.")
+    ] = False,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Import (upsert by name) an inventory file, all or nothing."""
+    report = _send_inventory(_api(url, token), file, "import", dry_run)
+    if output is Output.JSON:
+        _show(report, output)
+    else:
+        _print_report(report, file)
+
+
+@inventory_app.command("validate")
+@handled
+def inventory_validate(
+    file: Annotated[Path, typer.Argument(help="Inventory YAML file.")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Check a file against the fleet as an import would; writes nothing."""
+    report = _send_inventory(_api(url, token), file, "validate", False)
+    if output is Output.JSON:
+        _show(report, output)
+        return
+    changes = len(report["changes"])
+    typer.echo(f"{file}: valid; an import would make {changes} change{'s' if changes != 1 else ''}")
+    for warning in report["warnings"]:
+        typer.echo(f"warning: {warning}", err=True)
+
+
+@inventory_app.command("export")
+@handled
+def inventory_export(
+    out: Annotated[
+        Path | None, typer.Option("--file", "-f", help="Write here, not stdout.")
+    ] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Write the fleet's inventory as YAML (BMC passwords are never exported)."""
+    text = _api(url, token).request("GET", "/api/v1/inventory/export")
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {out}", err=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sites, racks, servers, deployments, events
+
+SITE_COLUMNS = [
+    ("name", "site"),
+    ("description", "description"),
+    ("rack_count", "racks #"),
+    ("server_count", "servers #"),
+]
+RACK_COLUMNS = [
+    ("name", "rack"),
+    ("site", "site"),
+    ("status", "status"),
+    ("servers", "servers #"),
+    ("budget_w", "budget W"),
+    ("committed_w", "committed W"),
+    ("headroom_w", "headroom W"),
+    ("all_on_w", "all-on W"),
+]
+SERVER_COLUMNS = [
+    ("name", "server"),
+    ("site", "site"),
+    ("rack", "rack"),
+    ("u_position", "U"),
+    ("gpu_model", "GPU"),
+    ("gpu_count", "GPUs #"),
+    ("pool", "pool"),
+    ("state", "state"),
+    ("power_state", "power"),
+    ("bmc_protocol", "BMC"),
+]
+DEPLOYMENT_COLUMNS = [
+    ("name", "deployment"),
+    ("model_uri", "model"),
+    ("gpus_per_replica", "GPUs/replica #"),
+    ("gpu_models", "GPU models"),
+    ("min_replicas", "min #"),
+    ("max_replicas", "max #"),
+    ("sla_p95_latency_ms", "p95 SLA ms"),
+    ("sla_ttft_ms", "TTFT SLA ms"),
+]
+EVENT_COLUMNS = [
+    ("at", "time"),
+    ("subject", "subject"),
+    ("kind", "kind"),
+    ("from_state", "from"),
+    ("to_state", "to"),
+    ("actor", "actor"),
+    ("message", "message"),
+]
+
+Limit = Annotated[int | None, typer.Option("--limit", help="At most this many rows (default all).")]
+
+
+@app.command("sites")
+@handled
+def sites(url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE) -> None:
+    """List sites."""
+    _show(list(_api(url, token).pages("/api/v1/sites", None)), output, SITE_COLUMNS)
+
+
+@app.command("racks")
+@handled
+def racks(
+    site: Annotated[str | None, typer.Option(help="Only this site.")] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """List racks with power budget, committed draw and headroom."""
+    rows = list(_api(url, token).pages("/api/v1/racks", None, site=site))
+    _show(rows, output, RACK_COLUMNS)
+
+
+@servers_app.command("list")
+@handled
+def servers_list(
+    site: Annotated[str | None, typer.Option()] = None,
+    rack: Annotated[str | None, typer.Option()] = None,
+    pool: Annotated[str | None, typer.Option(help="baseline or warm")] = None,
+    state: Annotated[str | None, typer.Option()] = None,
+    gpu_model: Annotated[str | None, typer.Option("--gpu-model")] = None,
+    limit: Limit = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """List servers, filtered."""
+    rows = list(
+        _api(url, token).pages(
+            "/api/v1/servers",
+            limit,
+            site=site,
+            rack=rack,
+            pool=pool,
+            state=state,
+            gpu_model=gpu_model,
+        )
+    )
+    _show(rows, output, SERVER_COLUMNS)
+
+
+@servers_app.command("show")
+@handled
+def servers_show(
+    name: str, url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
+) -> None:
+    """Show one server."""
+    _show(_api(url, token).get(f"/api/v1/servers/{name}"), output)
+
+
+@servers_app.command("transition")
+@handled
+def servers_transition(
+    name: str,
+    to: Annotated[str, typer.Argument(help="Target state.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why (recorded in the event).")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Move a server through the lifecycle (operator moves)."""
+    result = _api(url, token).request(
+        "POST", f"/api/v1/servers/{name}/transition", json={"to": to, "reason": reason}
+    )
+    if output is Output.JSON:
+        _show(result, output)
+    elif result["event"] is None:
+        typer.echo(f"{name} is already {to}")
+    else:
+        typer.echo(f"{name}: {result['event']['from_state']} → {result['event']['to_state']}")
+
+
+@deployments_app.command("list")
+@handled
+def deployments_list(
+    url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
+) -> None:
+    """List deployments."""
+    _show(list(_api(url, token).pages("/api/v1/deployments", None)), output, DEPLOYMENT_COLUMNS)
+
+
+@deployments_app.command("show")
+@handled
+def deployments_show(
+    name: str, url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
+) -> None:
+    """Show one deployment."""
+    _show(_api(url, token).get(f"/api/v1/deployments/{name}"), output)
+
+
+def _engine_params(pairs: list[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"--engine {pair!r}: expected KEY=VALUE")
+        params[key] = yaml.safe_load(value)  # 8 -> int, 0.9 -> float, pytorch -> str
+    return params
+
+
+@deployments_app.command("create")
+@handled
+def deployments_create(
+    name: str,
+    model_uri: Annotated[str, typer.Option("--model-uri", help="Where the weights are.")],
+    checksum: Annotated[str, typer.Option("--checksum", help="e.g. sha256:…")],
+    sla_p95_ms: Annotated[float, typer.Option("--sla-p95-ms", help="p95 latency SLA.")],
+    sla_ttft_ms: Annotated[float, typer.Option("--sla-ttft-ms", help="Time-to-first-token SLA.")],
+    gpus_per_replica: Annotated[int, typer.Option("--gpus-per-replica")] = 1,
+    gpu_model: Annotated[
+        list[str] | None, typer.Option("--gpu-model", help="Allowed; repeat.")
+    ] = None,
+    min_replicas: Annotated[int, typer.Option("--min")] = 0,
+    max_replicas: Annotated[int, typer.Option("--max")] = 1,
+    disruption_budget: Annotated[int, typer.Option("--disruption-budget")] = 1,
+    engine: Annotated[list[str] | None, typer.Option("--engine", help="KEY=VALUE; repeat.")] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Create a deployment."""
+    params = _engine_params(engine or [])
+    params.setdefault("tp_size", gpus_per_replica)
+    params.setdefault("pp_size", 1)
+    body = {
+        "name": name,
+        "model_uri": model_uri,
+        "model_checksum": checksum,
+        "engine_params": params,
+        "gpus_per_replica": gpus_per_replica,
+        "gpu_models": gpu_model or [],
+        "min_replicas": min_replicas,
+        "max_replicas": max_replicas,
+        "sla_p95_latency_ms": sla_p95_ms,
+        "sla_ttft_ms": sla_ttft_ms,
+        "disruption_budget": disruption_budget,
+    }
+    _show(_api(url, token).request("POST", "/api/v1/deployments", json=body), output)
+
+
+@app.command("events")
+@handled
+def events(
+    subject: Annotated[str | None, typer.Option(help="e.g. a server name.")] = None,
+    subject_type: Annotated[
+        str | None, typer.Option("--type", help="server, deployment, …")
+    ] = None,
+    kind: Annotated[str | None, typer.Option(help="e.g. server.transition, or server.")] = None,
+    since: Annotated[str | None, typer.Option(help="ISO 8601 time.")] = None,
+    limit: Annotated[int, typer.Option("--limit")] = 50,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Show events, newest first."""
+    rows = list(
+        _api(url, token).pages(
+            "/api/v1/events",
+            limit,
+            subject=subject,
+            subject_type=subject_type,
+            kind=kind,
+            since=since,
+        )
+    )
+    _show(rows, output, EVENT_COLUMNS)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()
