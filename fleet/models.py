@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 import sqlalchemy as sa
-from pydantic import SecretStr, field_validator, model_validator
+from pydantic import SecretStr, model_validator
 from sqlalchemy.engine import Dialect
 from sqlmodel import Field, SQLModel
 from sqlmodel._compat import SQLModelConfig
@@ -427,17 +427,3 @@ class ApiToken(SQLModel, table=True):
     server_id: int | None = Field(default=None, foreign_key="server.id")
     created_at: datetime = _ts(default_factory=utcnow)
     revoked_at: datetime | None = _ts(default=None)
-
-
-class Page(SQLModel):
-    """One page of a list endpoint."""
-
-    count: int
-    next: str | None
-    previous: str | None
-    results: list[Any]
-
-    @field_validator("results", mode="before")
-    @classmethod
-    def _as_list(cls, value: Any) -> list[Any]:
-        return list(value)

@@ -11,6 +11,7 @@ from sqlmodel import Session
 
 from fleet.api.deps import BoxDep, Operator, SessionDep, Viewer, get_session
 from fleet.crypto import SecretBox
+from fleet.errors import FleetError
 from fleet.inventory import ImportReport, dump_yaml, export_inventory, import_inventory
 from fleet.inventory.schema import parse_inventory
 
@@ -26,10 +27,11 @@ MAX_BODY = 64 * 1024 * 1024
 
 
 async def _read(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+        raise FleetError(f"inventory file too large ({declared} bytes, limit {MAX_BODY})")
     body = await request.body()
     if len(body) > MAX_BODY:
-        from fleet.errors import FleetError
-
         raise FleetError(f"inventory file too large ({len(body)} bytes, limit {MAX_BODY})")
     return body
 
