@@ -33,6 +33,7 @@ from fleet.models import (
     utcnow,
 )
 from fleet.power import Feed, ServerDraw, rack_power, side_watts
+from fleet.racks import to_feed
 from fleet.validation import place, validation_messages
 
 Kind = Literal["gpu_model", "site", "rack", "feed", "server", "deployment"]
@@ -77,6 +78,8 @@ class _Plan:
     feeds: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     servers: dict[str, _ServerRow] = field(default_factory=dict)
     deployments: dict[str, DeploymentCreate] = field(default_factory=dict)
+    # Where each row came from in the file, for error messages.
+    places: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 @dataclass
@@ -186,6 +189,7 @@ def _collect(inv: InventoryFile, existing: _Existing, errors: list[str]) -> _Pla
         for ri, rack in enumerate(site.racks):
             rwhere = f"{swhere}.racks[{ri}]"
             if unique("rack", rack.name, rwhere):
+                plan.places[("rack", rack.name)] = rwhere
                 plan.racks[rack.name] = {
                     "site": site.name,
                     "u_height": rack.u_height,
@@ -219,6 +223,7 @@ def _collect(inv: InventoryFile, existing: _Existing, errors: list[str]) -> _Pla
             spec = _deployment_spec(dep, where, errors)
             if spec is not None:
                 plan.deployments[dep.name] = spec
+                plan.places[("deployment", dep.name)] = where
     return plan
 
 
@@ -244,7 +249,14 @@ def _check(plan: _Plan, existing: _Existing, errors: list[str]) -> None:
     for name, srv in existing.servers.items():
         if name in plan.servers:
             continue
-        occupied.setdefault(rack_names[srv.rack_id], []).append(
+        rack = rack_names[srv.rack_id]
+        top = srv.u_position + srv.u_height - 1
+        if rack in plan.racks and top > plan.racks[rack]["u_height"]:
+            errors.append(
+                f"{plan.places[('rack', rack)]}.u_height: {plan.racks[rack]['u_height']} U "
+                f"is too short for server {name!r} at U{srv.u_position}-U{top}"
+            )
+        occupied.setdefault(rack, []).append(
             (srv.u_position, srv.u_position + srv.u_height - 1, f"server {name!r}")
         )
         endpoints[(srv.bmc_address, srv.bmc_port, srv.bmc_system_id)] = f"server {name!r}"
@@ -294,7 +306,7 @@ def _check(plan: _Plan, existing: _Existing, errors: list[str]) -> None:
         for model in dep.gpu_models:
             if model not in known_gpus:
                 errors.append(
-                    f"deployments[{list(plan.deployments).index(name)}].gpu_models: "
+                    f"{plan.places[('deployment', name)]}.gpu_models: "
                     f"unknown GPU model {model!r} (known: {known_help})"
                 )
 
@@ -315,46 +327,35 @@ def _server_fields(spec: ServerCreate, rack_id: int | None) -> dict[str, Any]:
 
 def _warnings(plan: _Plan, existing: _Existing) -> list[str]:
     """Racks whose servers could exceed the budget with every one at max draw."""
-    out: list[str] = []
-    by_rack_existing: dict[int, list[Server]] = {}
+    rack_names = {r.id: n for n, r in existing.racks.items()}
+    feeds: dict[str, dict[str, Feed]] = {}
+    for (rack_id, fname), f in existing.feeds.items():
+        feeds.setdefault(rack_names[rack_id], {})[fname] = to_feed(f)
+    for (rack, fname), spec in plan.feeds.items():
+        feeds.setdefault(rack, {})[fname] = Feed(
+            spec["side"], spec["volts"], spec["amps"], spec["phase"], spec["max_utilisation_pct"]
+        )
+    draws: dict[str, list[ServerDraw]] = {}
     for srv in existing.servers.values():
         if srv.name not in plan.servers:
-            by_rack_existing.setdefault(srv.rack_id, []).append(srv)
-    planned_by_rack: dict[str, list[ServerCreate]] = {}
+            draws.setdefault(rack_names[srv.rack_id], []).append(
+                ServerDraw(srv.max_w, srv.standby_w, on=False)
+            )
     for row in plan.servers.values():
-        planned_by_rack.setdefault(row.spec.rack, []).append(row.spec)
-    for rack in sorted(set(plan.racks) | set(planned_by_rack)):
-        feeds: dict[str, Feed] = {}
-        rack_row = existing.racks.get(rack)
-        if rack_row is not None:
-            for (rid, fname), feed_row in existing.feeds.items():
-                if rid == rack_row.id:
-                    feeds[fname] = Feed(
-                        feed_row.side,
-                        feed_row.volts,
-                        feed_row.amps,
-                        feed_row.phase,
-                        feed_row.max_utilisation_pct,
-                    )
-        for (rname, fname), f in plan.feeds.items():
-            if rname == rack:
-                feeds[fname] = Feed(
-                    f["side"], f["volts"], f["amps"], f["phase"], f["max_utilisation_pct"]
-                )
-        draws = [ServerDraw(s.max_w, s.standby_w, on=False) for s in planned_by_rack.get(rack, [])]
-        if rack_row is not None:
-            draws += [
-                ServerDraw(s.max_w, s.standby_w, on=False)
-                for s in by_rack_existing.get(rack_row.id or -1, [])
-            ]
-        power = rack_power(feeds.values(), draws)
+        draws.setdefault(row.spec.rack, []).append(
+            ServerDraw(row.spec.max_w, row.spec.standby_w, on=False)
+        )
+    out: list[str] = []
+    for rack in sorted(set(plan.racks) | {row.spec.rack for row in plan.servers.values()}):
+        rack_feeds = feeds.get(rack, {}).values()
+        power = rack_power(rack_feeds, draws.get(rack, []))
         if power.oversubscribed_w > 0:
-            sides = side_watts(feeds.values())
+            sides = side_watts(rack_feeds)
             side_text = ", ".join(f"{k} {v:,.0f} W" for k, v in sorted(sides.items()))
             out.append(
-                f"rack {rack}: {len(draws)} servers at max draw need {power.all_on_w:,.0f} W, "
-                f"budget {power.budget_w:,.0f} W ({side_text or 'no feeds'}): "
-                f"oversubscribed by {power.oversubscribed_w:,.0f} W"
+                f"rack {rack}: {len(draws.get(rack, []))} servers at max draw need "
+                f"{power.all_on_w:,.0f} W, budget {power.budget_w:,.0f} W "
+                f"({side_text or 'no feeds'}): oversubscribed by {power.oversubscribed_w:,.0f} W"
             )
     return out
 
@@ -442,8 +443,21 @@ def apply_plan(
     actor: str,
 ) -> None:
     """Write `desired` (already validated by `plan`) into the session; the caller commits."""
+    with session.no_autoflush:
+        _apply(session, report, desired, existing, box, actor)
+
+
+def _apply(
+    session: Session,
+    report: ImportReport,
+    desired: _Plan,
+    existing: _Existing,
+    box: SecretBox,
+    actor: str,
+) -> None:
     now = utcnow()
-    touched = {(c.kind, c.name) for c in report.changes}
+    changed_fields = {(c.kind, c.name): c.fields for c in report.changes}
+    touched = changed_fields.keys()
 
     for name, g in desired.gpu_models.items():
         if ("gpu_model", name) in touched:
@@ -498,7 +512,7 @@ def apply_plan(
             lifecycle.enroll(session, srv, actor, "imported from an inventory file")
             new_servers.append(srv)
             continue
-        changed = next(c for c in report.changes if c.kind == "server" and c.name == name).fields
+        changed = changed_fields[("server", name)]
         for k, v in values.items():
             setattr(srv, k, v)
         if "bmc_password" in changed and row.spec.bmc_password is not None:
@@ -516,7 +530,8 @@ def apply_plan(
                 details={"fields": changed},
             )
         )
-        _reconcile_gpus(session, srv)
+        if {"gpu_model", "gpu_count", "gpu_memory_mib"} & set(changed):
+            _reconcile_gpus(session, srv)
     session.flush()
     _insert_gpus(session, new_servers)
 
