@@ -298,11 +298,12 @@ def serve(
     from fleet.models import Role
 
     settings = _settings()
+    # Before logging is set up, so that a refusal (un-migrated database, missing key) is one line.
+    app_ = create_app(settings)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     host, port = host or settings.listen_host, port or settings.listen_port
-    app_ = create_app(settings)
     engine = app_.state.engine
     if import_file is not None:
         inv = parse_inventory(import_file.read_bytes())

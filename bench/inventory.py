@@ -27,6 +27,7 @@ This prints figures and never fails on timing (exit 1 only when a backend could 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import random
@@ -48,13 +49,14 @@ import yaml
 from cryptography.fernet import Fernet
 from gen_inventory import generate, to_yaml  # run as a script: bench/ is on sys.path
 from sqlalchemy.engine import Engine, make_url
-from sqlmodel import Session, col, func, select
+from sqlmodel import Session
 
 from fleet import lifecycle
 from fleet.crypto import SecretBox
 from fleet.db import make_engine, session_scope, upgrade
 from fleet.inventory import InventoryFile, import_inventory, parse_inventory
-from fleet.models import Pool, Rack, Server, Site
+from fleet.models import Pool
+from fleet.servers import ServerFilter, list_servers
 from fleet.states import ServerState
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -67,58 +69,16 @@ ACTOR = "bench"
 # The query under test
 
 
-@dataclass(frozen=True)
-class ServerFilter:
-    site: str | None = None
-    rack: str | None = None
-    pool: str | None = None
-    state: str | None = None
-    gpu_model: str | None = None
-
-    def label(self) -> str:
-        parts = [f"{k}={v}" for k, v in vars(self).items() if v is not None]
-        return ", ".join(parts) or "(no filter)"
+def label(flt: ServerFilter) -> str:
+    parts = [f"{k}={v}" for k, v in dataclasses.asdict(flt).items() if v is not None]
+    return ", ".join(parts) or "(no filter)"
 
 
-def list_servers(
-    session: Session, flt: ServerFilter, *, offset: int = 0, limit: int = PAGE_SIZE
-) -> tuple[int, list[tuple[Server, str, str]]]:
-    """One page of servers with their rack and site names, and the count of all matches.
-
-    TODO(fleet.api list servers): when fleet.api's list-servers query function exists, call it
-    here instead of this copy, so the benchmark times exactly what `GET /servers` runs.
-    """
-    conditions: list[sa.ColumnElement[bool]] = []
-    if flt.site is not None:
-        conditions.append(col(Site.name) == flt.site)
-    if flt.rack is not None:
-        conditions.append(col(Rack.name) == flt.rack)
-    if flt.pool is not None:
-        conditions.append(col(Server.pool) == flt.pool)
-    if flt.state is not None:
-        conditions.append(col(Server.state) == flt.state)
-    if flt.gpu_model is not None:
-        conditions.append(col(Server.gpu_model) == flt.gpu_model)
-
-    page = (
-        select(Server, col(Rack.name), col(Site.name))
-        .join(Rack, col(Server.rack_id) == col(Rack.id))
-        .join(Site, col(Rack.site_id) == col(Site.id))
-        .where(*conditions)
-        .order_by(col(Server.name))
-        .limit(limit)
-        .offset(offset)
-    )
-    count = (
-        select(func.count())
-        .select_from(Server)
-        .join(Rack, col(Server.rack_id) == col(Rack.id))
-        .join(Site, col(Rack.site_id) == col(Site.id))
-        .where(*conditions)
-    )
-    total = session.exec(count).one()
-    rows = [(srv, rack, site) for srv, rack, site in session.exec(page).all()]
-    return int(total), rows
+def list_page(session: Session, flt: ServerFilter, *, offset: int = 0) -> int:
+    """What `GET /api/v1/servers` runs: the count and one page, as API models."""
+    total, rows = list_servers(session, flt, PAGE_SIZE, offset)
+    assert len(rows) <= PAGE_SIZE
+    return total
 
 
 def pick_filters(doc: dict[str, Any]) -> list[ServerFilter]:
@@ -132,10 +92,10 @@ def pick_filters(doc: dict[str, Any]) -> list[ServerFilter]:
         ServerFilter(),
         ServerFilter(site=site["name"]),
         ServerFilter(rack=rack["name"]),
-        ServerFilter(pool=Pool.WARM.value),
-        ServerFilter(state=ServerState.MAINTENANCE.value),
+        ServerFilter(pool=Pool.WARM),
+        ServerFilter(state=ServerState.MAINTENANCE),
         ServerFilter(gpu_model="H200"),
-        ServerFilter(site=site["name"], pool=Pool.WARM.value, gpu_model="H100"),
+        ServerFilter(site=site["name"], pool=Pool.WARM, gpu_model="H100"),
     ]
 
 
@@ -257,7 +217,7 @@ def run_queries(
     out: dict[str, QueryFigures] = {}
     for flt in filters:
         with Session(engine) as session:  # warm-up, and the number of matches for the offsets
-            matches, _ = list_servers(session, flt)
+            matches = list_page(session, flt)
         pages = max(1, math.ceil(matches / PAGE_SIZE))
         samples: list[float] = []
         first: list[float] = []
@@ -265,9 +225,9 @@ def run_queries(
             offset = rng.randrange(pages) * PAGE_SIZE if i < queries else 0
             start = time.perf_counter()
             with Session(engine) as session:
-                list_servers(session, flt, offset=offset)
+                list_page(session, flt, offset=offset)
             (samples if i < queries else first).append((time.perf_counter() - start) * 1000)
-        out[flt.label()] = QueryFigures(
+        out[label(flt)] = QueryFigures(
             matches, statistics.median(samples), percentile(samples, 95), statistics.median(first)
         )
     return out

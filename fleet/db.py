@@ -15,12 +15,12 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from fleet.settings import Settings
+from fleet.settings import ConfigError, Settings
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 
-class NotMigratedError(RuntimeError):
+class NotMigratedError(ConfigError):
     """The database schema is behind the code."""
 
 

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
 from sqlmodel import Session, col, select
 
-from fleet.errors import ConflictError, FleetError, NotFoundError
+from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
 from fleet.gpu_specs import BUILTIN
 from fleet.models import (
     Deployment,
+    DeploymentBase,
     DeploymentCreate,
     DeploymentPublic,
     DeploymentUpdate,
     Event,
     GpuModelSpec,
-    check_deployment,
     utcnow,
 )
+from fleet.validation import validation_messages
 
 
 def _check_gpu_models(session: Session, models: list[str]) -> None:
@@ -71,8 +73,11 @@ def update_deployment(
 ) -> DeploymentPublic:
     row = _get(session, name)
     changes = update.model_dump(exclude_unset=True)
-    candidate = DeploymentCreate.model_validate({**row.model_dump(), **changes})
-    check_deployment(candidate)
+    current = row.model_dump(include=set(DeploymentBase.model_fields))
+    try:
+        candidate = DeploymentCreate.model_validate({**current, **changes})
+    except ValidationError as exc:
+        raise ValidationFailed(validation_messages(exc)) from None
     if "gpu_models" in changes:
         _check_gpu_models(session, candidate.gpu_models)
     changed = [k for k, v in changes.items() if getattr(row, k) != v]

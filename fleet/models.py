@@ -52,9 +52,26 @@ def _json(default: Any) -> Any:
     return Field(default_factory=default, sa_type=sa.JSON, nullable=False)
 
 
+class StrEnumType(sa.types.TypeDecorator[StrEnum]):
+    """A StrEnum stored as a plain string (adding a value never needs an ALTER TYPE), read back
+    as the enum member so rows and API models agree on types."""
+
+    impl = sa.String
+    cache_ok = True
+
+    def __init__(self, enum: type[StrEnum]) -> None:
+        super().__init__(max(len(v) for v in enum))
+        self._enum = enum
+
+    def process_bind_param(self, value: StrEnum | str | None, dialect: Dialect) -> str | None:
+        return None if value is None else self._enum(value).value
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> StrEnum | None:
+        return None if value is None else self._enum(value)
+
+
 def _enum(enum: type[StrEnum], **kw: Any) -> Any:
-    # Stored as plain strings: adding a value never needs an ALTER TYPE.
-    return Field(sa_type=sa.String(max(len(v) for v in enum)), **kw)
+    return Field(sa_type=StrEnumType(enum), **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +139,7 @@ NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a 
 
 
 class SiteBase(SQLModel):
-    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
     description: str = Field(default="", max_length=500)
 
 
@@ -140,7 +157,7 @@ class SitePublic(SiteBase):
 
 
 class RackBase(SQLModel):
-    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
     u_height: int = Field(default=42, ge=1, le=60)
     status: RackStatus = _enum(RackStatus, default=RackStatus.ACTIVE)
     description: str = Field(default="", max_length=500)
@@ -165,7 +182,7 @@ class RackPublic(RackBase):
 
 
 class PowerFeedBase(SQLModel):
-    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
     side: FeedSide = _enum(FeedSide)
     volts: float = Field(gt=0, le=1000)
     amps: float = Field(gt=0, le=1000)
@@ -191,7 +208,7 @@ class PowerFeedPublic(PowerFeedBase):
 
 
 class ServerBase(SQLModel):
-    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
     serial: str | None = Field(default=None, max_length=100)
     u_position: int = Field(ge=1, le=60)
     u_height: int = Field(default=1, ge=1, le=16)
@@ -314,7 +331,7 @@ class GpuModelSpec(SQLModel, table=True):
 
 
 class DeploymentBase(SQLModel):
-    name: str = Field(max_length=63, regex=NAME_PATTERN)
+    name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
     model_uri: str = Field(min_length=1, max_length=1000)
     model_checksum: str = Field(min_length=1, max_length=200)
     engine_params: dict[str, Any] = _json(dict)
@@ -379,12 +396,6 @@ class DeploymentUpdate(SQLModel):
 class DeploymentPublic(DeploymentBase):
     created_at: datetime
     updated_at: datetime
-
-
-def check_deployment(deployment: DeploymentBase) -> None:
-    """Cross-field rules for a deployment after an update is applied."""
-    _check_replicas(deployment.min_replicas, deployment.max_replicas)
-    _check_engine_parallelism(deployment.engine_params, deployment.gpus_per_replica)
 
 
 # ---------------------------------------------------------------------------------------------

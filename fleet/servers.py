@@ -54,28 +54,29 @@ def _public(server: Server, rack: str, site: str) -> ServerPublic:
 def list_servers(
     session: Session, where: ServerFilter, limit: int, offset: int
 ) -> tuple[int, list[ServerPublic]]:
-    query = _with_place()
     conditions: list[Any] = []
-    if where.site is not None:
-        conditions.append(Site.name == where.site)
-    if where.rack is not None:
-        conditions.append(Rack.name == where.rack)
     if where.pool is not None:
         conditions.append(Server.pool == where.pool)
     if where.state is not None:
         conditions.append(Server.state == where.state)
     if where.gpu_model is not None:
         conditions.append(Server.gpu_model == where.gpu_model)
-    query = query.where(*conditions)
-    count_query = (
-        sa.select(sa.func.count())
-        .select_from(Server)
-        .join(Rack, col(Rack.id) == Server.rack_id)
-        .join(Site, col(Site.id) == Rack.site_id)
-        .where(*conditions)
-    )
-    count = session.connection().execute(count_query).scalar_one()
-    rows = session.exec(query.order_by(col(Server.name)).limit(limit).offset(offset))
+    # Site and rack filters need the joins; the others (and the count) do without them.
+    ids = sa.select(col(Server.id), col(Server.name)).select_from(Server)
+    if where.site is not None or where.rack is not None:
+        ids = ids.join(Rack, col(Rack.id) == Server.rack_id)
+        if where.site is not None:
+            ids = ids.join(Site, col(Site.id) == Rack.site_id)
+            conditions.append(Site.name == where.site)
+        if where.rack is not None:
+            conditions.append(Rack.name == where.rack)
+    ids = ids.where(*conditions)
+    conn = session.connection()
+    count = conn.execute(sa.select(sa.func.count()).select_from(ids.subquery())).scalar_one()
+    # Page over (id, name) only, then load the wide rows of that page: sorting whole server
+    # rows for a deep OFFSET spills to disk on Postgres.
+    page = ids.order_by(col(Server.name)).limit(limit).offset(offset).subquery()
+    rows = session.exec(_with_place().join(page, page.c.id == Server.id).order_by(col(Server.name)))
     return count, [_public(s, rack, site) for s, rack, site in rows]
 
 

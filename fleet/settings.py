@@ -26,6 +26,15 @@ def default_data_dir() -> Path:
     return base / "fleet"
 
 
+# Accepted URL schemes -> the SQLAlchemy dialect+driver we use for them.
+_SCHEMES = {
+    "sqlite": "sqlite",
+    "postgresql+psycopg": "postgresql+psycopg",
+    "postgresql": "postgresql+psycopg",
+    "postgres": "postgresql+psycopg",
+}
+
+
 class ConfigError(RuntimeError):
     """A setting is missing or unsafe; the message says which and what to set."""
 
@@ -48,11 +57,13 @@ class Settings(BaseSettings):
     def _known_driver(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        if not value.startswith(("sqlite", "postgresql")):
-            raise ValueError("FLEET_DATABASE_URL must be sqlite:///… or postgresql+psycopg://…")
-        if value.startswith("postgresql://") or value.startswith("postgres://"):
-            # SQLAlchemy would pick psycopg2, which we do not ship.
-            return "postgresql+psycopg://" + value.split("://", 1)[1]
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in _SCHEMES:
+            raise ValueError(
+                "FLEET_DATABASE_URL must be sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+            )
+        # SQLAlchemy would pick psycopg2 for a bare postgresql:// URL; we ship psycopg 3.
+        return f"{_SCHEMES[scheme]}://{rest}"
         return value
 
     @property

@@ -66,7 +66,7 @@ def message(error: Any) -> str:
 
 def error_messages(errors: Iterable[Any]) -> list[str]:
     """pydantic error dicts -> ['place: message', ...]."""
-    return [f"{place(tuple(e['loc']))}: {message(e)}" for e in errors]
+    return [f"{place(tuple(e['loc']))}: {message(e)}" if e["loc"] else message(e) for e in errors]
 
 
 def validation_messages(exc: ValidationError) -> list[str]:

@@ -164,6 +164,17 @@ def _reject_aliases(data: Any) -> None:
             stack.extend(node.values() if isinstance(node, dict) else node)
 
 
+def _problem(exc: yaml.MarkedYAMLError) -> str:
+    # Aliases and tags are the problems YAML reports with the text of a value in them, and an
+    # unquoted password may start with '*' or '!': name the rule, not the value.
+    problem = str(exc.problem or "")
+    if "alias" in problem:
+        return "undefined alias (quote a value that starts with '*')"
+    if "tag" in problem:
+        return "unknown tag (quote a value that starts with '!')"
+    return problem
+
+
 def parse_inventory(text: str | bytes) -> InventoryFile:
     """YAML text -> InventoryFile, or ValidationFailed listing every problem with its place."""
     try:
@@ -171,7 +182,7 @@ def parse_inventory(text: str | bytes) -> InventoryFile:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown place"
-        raise ValidationFailed([f"not valid YAML at {where}: {exc.problem}"]) from None
+        raise ValidationFailed([f"not valid YAML at {where}: {_problem(exc)}"]) from None
     except yaml.YAMLError as exc:
         raise ValidationFailed([f"not valid YAML: {exc}"]) from None
     if data is None:
