@@ -273,6 +273,42 @@ def token_create(
     typer.echo(token)
 
 
+TOKEN_COLUMNS = [
+    ("id", "id"),
+    ("name", "name"),
+    ("role", "role"),
+    ("server", "server"),
+    ("created_at", "created"),
+    ("revoked_at", "revoked"),
+]
+
+
+@token_app.command("list")
+@handled
+def token_list(output: Out = Output.TABLE) -> None:
+    """List tokens (never their values: only hashes are stored)."""
+    import dataclasses
+
+    from fleet.auth import list_tokens
+    from fleet.db import session_scope
+
+    with session_scope(_engine()) as session:
+        rows = [dataclasses.asdict(t) for t in list_tokens(session)]
+    _show(rows, output, TOKEN_COLUMNS)
+
+
+@token_app.command("revoke")
+@handled
+def token_revoke(token_id: Annotated[int, typer.Argument(help="Token id (`token list`).")]) -> None:
+    """Revoke a token: requests with it get 401 from now on."""
+    from fleet.auth import revoke_token
+    from fleet.db import session_scope
+
+    with session_scope(_engine()) as session:
+        info = revoke_token(session, token_id)
+    typer.echo(f"revoked token {info.id} ({info.role} {info.name})")
+
+
 @app.command("serve")
 @handled
 def serve(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from sqlmodel import Session, col, select
 
 from fleet.errors import FleetError, NotFoundError
-from fleet.models import ApiToken, Event, Role, Server
+from fleet.models import ApiToken, Event, Role, Server, utcnow
 
 TOKEN_PREFIX = "flt_"
 # Who may do what: each role includes the ones after it. Agents are outside this ladder: their
@@ -77,3 +77,54 @@ def authenticate(session: Session, token: str) -> Principal | None:
     if row is None or row.id is None:
         return None
     return Principal(row.id, row.name, Role(row.role), row.server_id)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    id: int
+    name: str
+    role: str
+    server: str | None
+    created_at: str
+    revoked_at: str | None
+
+
+def list_tokens(session: Session) -> list[TokenInfo]:
+    rows = session.exec(
+        select(ApiToken, Server.name)
+        .select_from(ApiToken)
+        .outerjoin(Server, col(Server.id) == ApiToken.server_id)
+        .order_by(col(ApiToken.id))
+    )
+    return [
+        TokenInfo(
+            id=t.id or 0,
+            name=t.name,
+            role=str(t.role),
+            server=server,
+            created_at=t.created_at.isoformat(),
+            revoked_at=t.revoked_at.isoformat() if t.revoked_at else None,
+        )
+        for t, server in rows
+    ]
+
+
+def revoke_token(session: Session, token_id: int, actor: str = "fleetctl") -> TokenInfo:
+    """Revoke by id (names need not be unique); revoking twice is a no-op."""
+    row = session.get(ApiToken, token_id)
+    if row is None:
+        raise NotFoundError(f"no token with id {token_id} (see `fleetctl token list`)")
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        session.add(row)
+        session.add(
+            Event(
+                subject_type="token",
+                subject=row.name,
+                actor=actor,
+                kind="token.revoked",
+                message=f"{row.role} token {token_id} revoked",
+            )
+        )
+        session.flush()
+    return next(t for t in list_tokens(session) if t.id == token_id)
