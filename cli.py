@@ -693,5 +693,27 @@ def events(
     _show(rows, output, EVENT_COLUMNS)
 
 
+def main() -> None:
+    """The console script: like `app()`, but a usage error is one line too."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    except Exception as exc:
+        # Click's usage errors, matched by shape: Typer vendors its own copy of Click.
+        exit_code, message = getattr(exc, "exit_code", None), getattr(exc, "format_message", None)
+        if not isinstance(exit_code, int) or message is None:
+            raise
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            typer.echo(message(), err=True)  # the help text itself
+        else:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            typer.echo(f"error: {message()}{hint}", err=True)
+        sys.exit(exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    main()

@@ -50,12 +50,17 @@ def current_principal(
 CurrentUser = Annotated[Principal, Depends(current_principal)]
 
 
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
 def require(role: Role) -> Callable[[Principal], Principal]:
     def check(principal: CurrentUser) -> Principal:
         if not principal.may(role):
             raise HTTPException(
                 status.HTTP_403_FORBIDDEN,
-                f"a {principal.role.value} token cannot do this; it needs the {role.value} role",
+                f"{_article(principal.role.value)} {principal.role.value} token cannot do this; "
+                f"it needs the {role.value} role",
             )
         return principal
 
@@ -108,7 +113,7 @@ def paging(
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> Paging:
     settings = get_settings(request)
-    size = settings.default_page_size if limit is None else min(limit, settings.max_page_size)
+    size = min(settings.default_page_size if limit is None else limit, settings.max_page_size)
     return Paging(limit=size, offset=offset, request=request)
 
 
