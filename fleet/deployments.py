@@ -6,6 +6,7 @@ from pydantic import ValidationError
 from sqlmodel import Session, col, select
 
 from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
+from fleet.events import record_update, set_fields
 from fleet.gpu_specs import BUILTIN
 from fleet.models import (
     Deployment,
@@ -15,7 +16,6 @@ from fleet.models import (
     DeploymentUpdate,
     Event,
     GpuModelSpec,
-    utcnow,
 )
 from fleet.validation import validation_messages
 
@@ -80,21 +80,7 @@ def update_deployment(
         raise ValidationFailed(validation_messages(exc)) from None
     if "gpu_models" in changes:
         _check_gpu_models(session, candidate.gpu_models)
-    changed = [k for k, v in changes.items() if getattr(row, k) != v]
-    for key in changed:
-        setattr(row, key, changes[key])
-    if changed:
-        row.updated_at = utcnow()
-        session.add(row)
-        session.add(
-            Event(
-                subject_type="deployment",
-                subject=name,
-                actor=actor,
-                kind="deployment.updated",
-                message="updated",
-                details={"fields": changed},
-            )
-        )
+    changed = set_fields(row, changes)
+    record_update(session, row, "deployment", name, changed, actor, "updated")
     session.commit()
     return public(row)

@@ -1,4 +1,4 @@
-"""The event log: append-only, queried by subject, kind and time."""
+"""The event log: append-only; recorded by the services, queried by subject, kind and time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,45 @@ from typing import Any
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from fleet.models import Event, EventPublic
+from fleet.models import Event, EventPublic, utcnow
+
+
+def set_fields(row: Any, changes: dict[str, Any]) -> list[str]:
+    """Set the values in `changes` that differ on `row`; returns the names of those fields."""
+    changed = [key for key, value in changes.items() if getattr(row, key) != value]
+    for key in changed:
+        setattr(row, key, changes[key])
+    return changed
+
+
+def record_update(
+    session: Session,
+    row: Any,
+    subject_type: str,
+    subject: str,
+    fields: list[str],
+    actor: str,
+    message: str,
+    at: datetime | None = None,
+) -> None:
+    """Stamp `row` as updated and log which fields changed: names only, never values (a field
+    may be a BMC password). Nothing changed, nothing recorded."""
+    if not fields:
+        return
+    now = at or utcnow()
+    row.updated_at = now
+    session.add(row)
+    session.add(
+        Event(
+            at=now,
+            subject_type=subject_type,
+            subject=subject,
+            actor=actor,
+            kind=f"{subject_type}.updated",
+            message=message,
+            details={"fields": fields},
+        )
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ from sqlmodel import Session, col, select
 
 from fleet.crypto import SecretBox
 from fleet.errors import NotFoundError
+from fleet.events import record_update, set_fields
 from fleet.models import (
-    Event,
     Gpu,
     GpuPublic,
     Pool,
@@ -20,7 +20,6 @@ from fleet.models import (
     ServerPublic,
     ServerUpdate,
     Site,
-    utcnow,
 )
 from fleet.states import ServerState
 
@@ -115,25 +114,10 @@ def update_server(
     server = session.exec(select(Server).where(Server.name == name).with_for_update()).one_or_none()
     if server is None:
         raise NotFoundError(f"no server named {name!r}")
-    changes = update.model_dump(exclude_unset=True, exclude={"bmc_password"})
-    changed = [k for k, v in changes.items() if getattr(server, k) != v]
-    for key in changed:
-        setattr(server, key, changes[key])
+    changed = set_fields(server, update.model_dump(exclude_unset=True, exclude={"bmc_password"}))
     if update.bmc_password is not None:
         server.bmc_password_encrypted = box.encrypt(update.bmc_password.get_secret_value())
         changed.append("bmc_password")
-    if changed:
-        server.updated_at = utcnow()
-        session.add(server)
-        session.add(
-            Event(
-                subject_type="server",
-                subject=name,
-                actor=actor,
-                kind="server.updated",
-                message="updated through the API",
-                details={"fields": changed},
-            )
-        )
+    record_update(session, server, "server", name, changed, actor, "updated through the API")
     session.commit()
     return get_server(session, name)

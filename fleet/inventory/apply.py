@@ -17,6 +17,7 @@ from sqlmodel import Session, select
 from fleet import lifecycle
 from fleet.crypto import SecretBox
 from fleet.errors import ValidationFailed
+from fleet.events import record_update
 from fleet.gpu_specs import BUILTIN
 from fleet.inventory.schema import DeploymentIn, InventoryFile, ServerIn
 from fleet.models import (
@@ -517,18 +518,8 @@ def _apply(
             setattr(srv, k, v)
         if "bmc_password" in changed and row.spec.bmc_password is not None:
             srv.bmc_password_encrypted = box.encrypt(row.spec.bmc_password.get_secret_value())
-        srv.updated_at = now
-        session.add(srv)
-        session.add(
-            Event(
-                at=now,
-                subject_type="server",
-                subject=name,
-                actor=actor,
-                kind="server.updated",
-                message="updated from an inventory file",
-                details={"fields": changed},
-            )
+        record_update(
+            session, srv, "server", name, changed, actor, "updated from an inventory file", now
         )
         if {"gpu_model", "gpu_count", "gpu_memory_mib"} & set(changed):
             _reconcile_gpus(session, srv)
