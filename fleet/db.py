@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,9 @@ def alembic_config(engine: Engine) -> Config:
     return config
 
 
+@lru_cache(maxsize=1)
 def head_revision() -> str | None:
+    """The code's schema revision (read once: the migration files do not change at run time)."""
     script = ScriptDirectory(str(MIGRATIONS_DIR))
     return script.get_current_head()
 
