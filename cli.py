@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import httpx
 import typer
@@ -77,8 +78,12 @@ def handled(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from pydantic import ValidationError
+        from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+
         from fleet.errors import FleetError
         from fleet.settings import ConfigError
+        from fleet.validation import validation_messages
 
         try:
             return fn(*args, **kwargs)
@@ -86,13 +91,54 @@ def handled(fn: Callable[P, R]) -> Callable[P, R]:
             message = (
                 str(exc) if not isinstance(exc, OSError) else f"{exc.strerror}: {exc.filename}"
             )
-            typer.echo(f"error: {message}", err=True)
-            raise typer.Exit(1) from None
+            _fail(message)
         except httpx.HTTPError as exc:
-            typer.echo(f"error: {_http_error(exc)}", err=True)
-            raise typer.Exit(1) from None
+            _fail(_http_error(exc))
+        except ValidationError as exc:  # e.g. a FLEET_* setting; never echoes the input value
+            _fail("; ".join(validation_messages(exc)))
+        # Unreachable database, bad credentials, a URL SQLAlchemy cannot use.
+        except (OperationalError, DBAPIError, ArgumentError) as exc:
+            _fail(f"cannot use the database: {_database_error(exc)}")
+        except ValueError as exc:  # e.g. FLEET_SECRET_KEY is not a valid key
+            _fail(_without_password(_one_line(str(exc))) or type(exc).__name__)
 
     return wrapper
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1) from None
+
+
+def _one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
+# A URL (scheme://…) or a libpq `password=…` pair: either may carry the database password.
+_URL_OR_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*|password\s*=\s*\S+", re.I)
+
+
+def _database_error(exc: Exception) -> str:
+    """The driver's first line, with anything that could hold the database password removed."""
+    orig = getattr(exc, "orig", None)
+    text = _one_line(str(orig if orig is not None else exc)) or type(exc).__name__
+    return _without_password(_URL_OR_PASSWORD.sub("<redacted>", text))
+
+
+def _without_password(text: str) -> str:
+    password = _database_password()
+    return text.replace(password, "<redacted>") if password else text
+
+
+def _database_password() -> str | None:
+    try:
+        from sqlalchemy.engine import make_url
+
+        url = _settings().database_url
+        return make_url(url).password if url else None
+    except Exception:  # settings or URL unparsable: nothing more to redact than the regex does
+        return None
 
 
 def _http_error(exc: httpx.HTTPError) -> str:
@@ -208,14 +254,13 @@ def _settings() -> Any:
 
 
 def _engine() -> Any:
+    """The database engine, migrated (embedded default) or checked to be (any other)."""
     from fleet import db
+    from fleet.api.app import prepare_database
 
     settings = _settings()
     engine = db.engine_from_settings(settings)
-    if settings.is_embedded:
-        db.upgrade(engine)
-    else:
-        db.check_migrated(engine)
+    prepare_database(settings, engine)
     return engine
 
 

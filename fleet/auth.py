@@ -12,6 +12,7 @@ from fleet.errors import FleetError, NotFoundError
 from fleet.models import ApiToken, Event, Role, Server, utcnow
 
 TOKEN_PREFIX = "flt_"
+MAX_TOKEN_NAME = 80
 # Who may do what: each role includes the ones after it. Agents are outside this ladder: their
 # tokens only reach the agent endpoints, for their own server.
 _RANK = {Role.ADMIN: 3, Role.OPERATOR: 2, Role.VIEWER: 1, Role.AGENT: 0}
@@ -43,6 +44,9 @@ def create_token(
     session: Session, name: str, role: Role, server: str | None = None, actor: str = "fleetctl"
 ) -> str:
     """Store a new token and return its only plaintext copy."""
+    if not 1 <= len(name) <= MAX_TOKEN_NAME:
+        # Events name the caller as "<role>:<name>" in a 100-character column.
+        raise FleetError(f"a token name must be 1-{MAX_TOKEN_NAME} characters")
     server_id = None
     if role is Role.AGENT:
         if server is None:

@@ -26,16 +26,20 @@ class NotMigratedError(ConfigError):
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
+    """hide_parameters on both backends: bound values (BMC ciphertext included) stay out of
+    error messages and SQL logs."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            hide_parameters=True,
+            **kwargs,
         )
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    # hide_parameters: bound values (ciphertext included) stay out of error messages and logs.
     return sa.create_engine(url, pool_pre_ping=True, hide_parameters=True, **kwargs)
 
 

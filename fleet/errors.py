@@ -21,6 +21,12 @@ class IllegalTransitionError(ConflictError):
     pass
 
 
+class NotAnOperatorMove(FleetError):
+    """A lifecycle move that only the fleet's own loops may make."""
+
+    status_code = 422
+
+
 class ValidationFailed(FleetError):
     """Input rejected; `errors` lists every problem with its place."""
 

@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from fleet.models import Event, EventPublic, utcnow
+from fleet.models import Event, EventPublic, as_utc, utcnow
 
 
 def set_fields(row: Any, changes: dict[str, Any]) -> list[str]:
@@ -68,14 +68,19 @@ def list_events(
     if where.subject is not None:
         conditions.append(Event.subject == where.subject)
     if where.kind is not None:
-        # "server" matches server.transition, server.updated, …
+        # "server" matches server.transition, server.updated, …. A substring equality, not
+        # LIKE (no wildcards, case-sensitive on SQLite) nor a range (collation-dependent).
+        prefix = where.kind + "."
         conditions.append(
-            sa.or_(col(Event.kind) == where.kind, col(Event.kind).startswith(where.kind + "."))
+            sa.or_(
+                col(Event.kind) == where.kind,
+                sa.func.substr(col(Event.kind), 1, len(prefix)) == prefix,
+            )
         )
     if where.since is not None:
-        conditions.append(col(Event.at) >= where.since)
+        conditions.append(col(Event.at) >= as_utc(where.since))
     if where.until is not None:
-        conditions.append(col(Event.at) < where.until)
+        conditions.append(col(Event.at) < as_utc(where.until))
     count = (
         session.connection()
         .execute(sa.select(sa.func.count()).select_from(Event).where(*conditions))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import sqlalchemy as sa
 from pydantic import SecretStr, model_validator
@@ -22,6 +22,11 @@ from fleet.states import ServerState
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def as_utc(value: datetime) -> datetime:
+    """An aware UTC datetime; a naive one (from a client) is taken to be UTC already."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 class UtcDateTime(sa.types.TypeDecorator[datetime]):
@@ -228,6 +233,17 @@ class ServerBase(SQLModel):
 
 
 class Server(ServerBase, table=True):
+    __table_args__ = (
+        # One BMC endpoint, one server (sushy-tools holds many systems behind one address).
+        sa.Index(
+            "uq_server_bmc_endpoint",
+            "bmc_address",
+            "bmc_port",
+            sa.text("coalesce(bmc_system_id, '')"),
+            unique=True,
+        ),
+    )
+
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(max_length=63, unique=True, index=True)
     rack_id: int = Field(foreign_key="rack.id", index=True)
@@ -246,6 +262,17 @@ class Server(ServerBase, table=True):
     updated_at: datetime = _ts(default_factory=utcnow)
 
 
+@sa.event.listens_for(Server.state, "set")
+def _state_is_written_by_lifecycle(target: Server, value: Any, old: Any, initiator: Any) -> None:
+    """The rule of docs/design.md, enforced at run time: only fleet.lifecycle moves a server's
+    state (with a compare-and-set UPDATE, which fires no attribute event). A server not yet in
+    the database may carry the initial state and nothing else."""
+    if sa.inspect(target).has_identity or value != ServerState.ENROLLED:
+        raise AttributeError(
+            f"server {target.name}: state is written only by fleet.lifecycle.transition"
+        )
+
+
 class ServerCreate(ServerBase):
     """A server as the inventory importer validates it (flat, references by name)."""
 
@@ -255,10 +282,28 @@ class ServerCreate(ServerBase):
     bmc_password: SecretStr | None = None
 
 
-class ServerUpdate(SQLModel):
+class _Update(SQLModel):
+    """A partial update: a field left out keeps its value; null is refused unless listed."""
+
+    nullable_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="after")
+    def _no_nulls(self) -> Self:
+        nulls = sorted(
+            f
+            for f in self.model_fields_set
+            if getattr(self, f) is None and f not in self.nullable_fields
+        )
+        if nulls:
+            raise ValueError(f"{', '.join(nulls)}: must not be null (leave a field out to keep it)")
+        return self
+
+
+class ServerUpdate(_Update):
     """What an operator may change on a server through the API (not its state)."""
 
     model_config = SQLModelConfig(extra="forbid")
+    nullable_fields: ClassVar[frozenset[str]] = frozenset({"bmc_system_id"})
 
     pool: Pool | None = None
     bmc_address: str | None = Field(default=None, max_length=255, min_length=1)
@@ -378,7 +423,7 @@ class DeploymentCreate(DeploymentBase):
         return self
 
 
-class DeploymentUpdate(SQLModel):
+class DeploymentUpdate(_Update):
     model_config = SQLModelConfig(extra="forbid")
 
     model_uri: str | None = Field(default=None, min_length=1, max_length=1000)

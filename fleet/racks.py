@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from fleet.models import PowerFeed, PowerState, Rack, Server, Site
+from fleet.models import PowerFeed, Rack, Server, Site
 from fleet.power import Feed, RackPower, ServerDraw, feed_watts, rack_power
-from fleet.states import POWERED, ServerState
+from fleet.states import draws_max_power
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +20,6 @@ class RackView:
     feeds: int
     servers: int
     power: RackPower
-
-
-def draws_on(state: str, power_state: str) -> bool:
-    """A server counts at max draw when it is on (as the BMC last said) or on its way up."""
-    return ServerState(state) in POWERED or power_state == PowerState.ON
 
 
 def to_feed(row: PowerFeed) -> Feed:
@@ -55,7 +50,7 @@ def rack_views(
     )
     for row in rows:
         draws.setdefault(row.rack_id, []).append(
-            ServerDraw(row.max_w, row.standby_w, on=draws_on(row.state, row.power_state))
+            ServerDraw(row.max_w, row.standby_w, on=draws_max_power(row.state, row.power_state))
         )
     out = []
     for r, site_name in racks:

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from fleet.crypto import SecretBox
-from fleet.errors import NotFoundError
+from fleet.errors import ConflictError, NotFoundError
 from fleet.events import record_update, set_fields
 from fleet.models import (
     Gpu,
@@ -107,6 +107,30 @@ def list_gpus(
     ]
 
 
+def _check_endpoint_free(session: Session, server: Server) -> None:
+    # no_autoflush: flushing the edited row first would hit the unique index before we can
+    # say which server holds the endpoint.
+    with session.no_autoflush:
+        other = _endpoint_holder(session, server)
+    if other is not None:
+        raise ConflictError(
+            f"{server.bmc_address}:{server.bmc_port}"
+            f"{' system ' + server.bmc_system_id if server.bmc_system_id else ''} "
+            f"is already the BMC of server {other!r}"
+        )
+
+
+def _endpoint_holder(session: Session, server: Server) -> str | None:
+    return session.exec(
+        select(Server.name).where(
+            Server.bmc_address == server.bmc_address,
+            Server.bmc_port == server.bmc_port,
+            sa.func.coalesce(Server.bmc_system_id, "") == (server.bmc_system_id or ""),
+            Server.id != server.id,
+        )
+    ).first()
+
+
 def update_server(
     session: Session, name: str, update: ServerUpdate, box: SecretBox, actor: str
 ) -> ServerPublic:
@@ -115,6 +139,8 @@ def update_server(
     if server is None:
         raise NotFoundError(f"no server named {name!r}")
     changed = set_fields(server, update.model_dump(exclude_unset=True, exclude={"bmc_password"}))
+    if {"bmc_address", "bmc_port", "bmc_system_id"} & set(changed):
+        _check_endpoint_free(session, server)
     if update.bmc_password is not None:
         server.bmc_password_encrypted = box.encrypt(update.bmc_password.get_secret_value())
         changed.append("bmc_password")

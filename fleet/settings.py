@@ -64,7 +64,6 @@ class Settings(BaseSettings):
             )
         # SQLAlchemy would pick psycopg2 for a bare postgresql:// URL; we ship psycopg 3.
         return f"{_SCHEMES[scheme]}://{rest}"
-        return value
 
     @property
     def is_embedded(self) -> bool:

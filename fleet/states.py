@@ -52,13 +52,21 @@ TRANSITIONS: dict[ServerState, frozenset[ServerState]] = {
 }
 
 TERMINAL: frozenset[ServerState] = frozenset({S.RETIRED})
-# States that wait for a person (`release` -> enrolled).
-WAITING_FOR_OPERATOR: frozenset[ServerState] = frozenset({S.FAILED, S.QUARANTINED, S.MAINTENANCE})
-# States in which the server is (or is being) powered on: its rack budget counts max draw.
+INITIAL: ServerState = S.ENROLLED
+
+# What an operator may ask for by hand (POST /servers/{name}/transition). The other moves
+# record facts — the BMC powered it on, the agent registered, replicas are ready — that only
+# the fleet's own loops observe.
+OPERATOR_TARGETS: frozenset[ServerState] = frozenset(
+    {S.MAINTENANCE, S.RETIRED, S.ENROLLED, S.DRAINING}
+)
+
+# States in which the server is on, or being turned on or off.
 POWERED: frozenset[ServerState] = frozenset(
     {S.BOOTING, S.LOADING, S.SERVING, S.DRAINING, S.DRAINED, S.POWERING_OFF}
 )
-INITIAL: ServerState = S.ENROLLED
+# States the lifecycle only enters once the server is off (warm: the BMC reported it off).
+KNOWN_OFF: frozenset[ServerState] = frozenset({S.WARM, S.RETIRED})
 
 
 def is_allowed(current: ServerState, target: ServerState) -> bool:
@@ -67,3 +75,17 @@ def is_allowed(current: ServerState, target: ServerState) -> bool:
 
 def allowed_targets(current: ServerState) -> list[ServerState]:
     return sorted(TRANSITIONS[current], key=list(ServerState).index)
+
+
+def draws_max_power(state: ServerState | str, power_state: str) -> bool:
+    """Whether a rack budget must count this server at its maximum draw.
+
+    On or on its way up: yes. Otherwise the BMC's last reading decides, and with no reading
+    a server counts as on unless the lifecycle knows it is off: overstating headroom is what
+    trips a breaker.
+    """
+    if ServerState(state) in POWERED or power_state == "on":
+        return True
+    if power_state == "off":
+        return False
+    return ServerState(state) not in KNOWN_OFF

@@ -69,5 +69,13 @@ def error_messages(errors: Iterable[Any]) -> list[str]:
     return [f"{place(tuple(e['loc']))}: {message(e)}" if e["loc"] else message(e) for e in errors]
 
 
+def messages_under(where: str, exc: ValidationError) -> list[str]:
+    """Messages of a nested model, placed under `where` ('sites[0].racks[1]')."""
+    return [
+        f"{where}.{place(tuple(e['loc']))}: {message(e)}" if e["loc"] else f"{where}: {message(e)}"
+        for e in exc.errors()
+    ]
+
+
 def validation_messages(exc: ValidationError) -> list[str]:
     return error_messages(exc.errors())

@@ -8,22 +8,21 @@ every table before each test; `session` is an ORM session on it.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import NoReturn
 
 import pytest
 import sqlalchemy as sa
 from factories import TEST_SECRET_KEY
+from pg import ADMIN_URL, throwaway_database
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from fleet import db as fleet_db
 from fleet.settings import get_settings
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-PG_URL_TEMPLATE = "postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
 ALEMBIC_TABLE = "alembic_version"
 
 
@@ -63,28 +62,18 @@ def _sqlite_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]
 
 
 def _postgres_engine() -> Iterator[Engine]:
-    admin = sa.create_engine(
-        PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
-    )
-    name = f"fleet_test_{os.getpid()}_{secrets.token_hex(4)}"
-    unreachable: str | None = None
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    except sa.exc.OperationalError as exc:
-        unreachable = str(exc.orig or exc).strip().splitlines()[0]
-    if unreachable is not None:  # outside the except block: a one-line failure, no chain
-        admin.dispose()
-        _postgres_unavailable(f"cannot connect to {PG_ADMIN_URL} ({unreachable})")
-    engine = fleet_db.make_engine(PG_URL_TEMPLATE.format(name=name))
-    try:
+    with ExitStack() as stack:
+        unreachable: str | None = None
+        try:
+            url = stack.enter_context(throwaway_database("fleet_test"))
+        except sa.exc.OperationalError as exc:
+            unreachable = str(exc.orig or exc).strip().splitlines()[0]
+        if unreachable is not None:  # outside the except block: a one-line failure, no chain
+            _postgres_unavailable(f"cannot connect to {ADMIN_URL} ({unreachable})")
+        engine = fleet_db.make_engine(url)
+        stack.callback(engine.dispose)
         fleet_db.upgrade(engine)
         yield engine
-    finally:
-        engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(
@@ -119,6 +108,7 @@ def _wipe_sql(engine: Engine) -> list[str]:
     if engine.dialect.name == "postgresql":
         return [
             "SET LOCAL lock_timeout = '10s'",  # a leaked transaction fails the test, not hangs it
+            "SET LOCAL fleet.event_maintenance = 'on'",  # events are append-only otherwise
             *statements,
             "SELECT setval(seqrelid::regclass, seqstart, false) FROM pg_sequence",
         ]

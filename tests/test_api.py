@@ -8,27 +8,34 @@ through the API (`demo`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
+from factories import walk_to
 from live import DEMO_INVENTORY, YAML, Live, fill_path, load_demo, operations, revoke_token, serve
 from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
 
-from fleet.models import Role
-from fleet.power import ServerDraw, feed_watts, rack_power
-from fleet.states import ServerState, allowed_targets
+from fleet import lifecycle
+from fleet.models import PowerState, Role, Server
+from fleet.power import RackPower, ServerDraw, feed_watts, rack_power
+from fleet.states import OPERATOR_TARGETS, ServerState, allowed_targets, draws_max_power
 
 PAGE_CAP = 20  # settings.max_page_size of this module's server: small, so capping shows
 DEFAULT_PAGE = 10
 API = "/api/v1"
 DEMO = load_demo()
 DEMO_YAML = DEMO_INVENTORY.read_bytes()
-# The reads that are POSTs: a viewer may validate a file (it writes nothing).
-READ_POSTS = frozenset({("POST", f"{API}/inventory/validate")})
+# Validating a file writes nothing, but its report tells whether a supplied BMC password equals
+# the stored one: it needs the operator role like the writes do.
+VALIDATE = ("POST", f"{API}/inventory/validate")
+# Every server right after an import: enrolled, and no BMC read yet.
+IMPORTED: tuple[ServerState, str] = (ServerState.ENROLLED, PowerState.UNKNOWN.value)
 DEPLOYMENT: dict[str, Any] = {
     "name": "qwen-7b",
     "model_uri": "s3://fleet-models/qwen/Qwen2.5-7B-Instruct",
@@ -208,16 +215,20 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_viewer_reads_but_cannot_write(demo: Api) -> None:
-    writes = 0
+    refused: set[tuple[str, str]] = set()
     for method, template in api_operations(demo.live):
         response = call(demo.viewer, method, template)
-        if method == "GET" or (method, template) in READ_POSTS:
+        if method == "GET":
             assert response.status_code == 200, f"{method} {template}: {response.text}"
         else:
-            writes += 1
+            refused.add((method, template))
             text = detail(response, 403)
             assert "viewer" in text and "operator role" in text, text
-    assert writes >= 5  # import, PATCH server, transition, POST and PATCH deployment
+    # import, validate, PATCH server, transition, POST and PATCH deployment
+    assert len(refused) >= 6 and VALIDATE in refused
+    # The operator may validate (and nothing is written by it either).
+    validated = ok(demo.operator.post(VALIDATE[1], content=DEMO_YAML, headers=YAML))
+    assert validated["dry_run"] is True and validated["changes"] == []
     # Nothing was written: still 56 enrolled servers and the demo's deployments.
     assert demo.all_rows(f"{API}/servers", state="enrolled")[0] == len(DEMO.servers)
     assert [d["name"] for d in demo.all_rows(f"{API}/deployments")[1]] == sorted(DEMO.deployments)
@@ -233,8 +244,10 @@ def test_agent_token_reaches_no_operator_or_viewer_endpoint(demo: Api) -> None:
 def test_operator_and_admin_may_write(demo: Api) -> None:
     for client, server in ((demo.operator, "fra1-r01-h100-01"), (demo.admin, "fra1-r01-h100-02")):
         ok(client.patch(f"{API}/servers/{server}", json={"pool": "baseline"}))
-        move = {"to": "warm", "reason": "spare"}
-        ok(client.post(f"{API}/servers/{server}/transition", json=move))
+        move = {"to": "maintenance", "reason": "reseat DIMMs"}
+        moved = ok(client.post(f"{API}/servers/{server}/transition", json=move))
+        assert moved["server"]["state"] == "maintenance"
+        ok(client.post(VALIDATE[1], content=DEMO_YAML, headers=YAML))
     actors = {e["actor"] for e in demo.events(kind="server.transition")}
     assert actors == {"operator:operator", "admin:admin"}
 
@@ -266,8 +279,11 @@ def test_import_reports_what_it_created(api: Api) -> None:
     again = api.import_demo()
     assert again["changes"] == [] and not any(again["created"].values())
     assert sum(again["unchanged"].values()) == sum(report["created"].values())
-    validated = ok(api.viewer.post(f"{API}/inventory/validate", content=DEMO_YAML, headers=YAML))
+    validated = ok(api.operator.post(VALIDATE[1], content=DEMO_YAML, headers=YAML))
     assert validated["dry_run"] is True and validated["changes"] == []
+    assert "operator role" in detail(
+        api.viewer.post(VALIDATE[1], content=DEMO_YAML, headers=YAML), 403
+    )
 
 
 def test_servers_paging(demo: Api) -> None:
@@ -321,14 +337,14 @@ def test_server_filters(demo: Api) -> None:
         assert count == len(expected), params
         assert sorted(r["name"] for r in rows) == expected, params
     assert demo.all_rows(f"{API}/servers", state="enrolled")[0] == len(DEMO.servers)
-    assert demo.all_rows(f"{API}/servers", state="booting")[0] == 0
+    assert demo.all_rows(f"{API}/servers", state="maintenance")[0] == 0
 
     ok(
         demo.operator.post(
-            f"{API}/servers/ams1-r03-l40s-01/transition", json={"to": "booting", "reason": "t"}
+            f"{API}/servers/ams1-r03-l40s-01/transition", json={"to": "maintenance", "reason": "t"}
         )
     )
-    count, rows = demo.all_rows(f"{API}/servers", state="booting")
+    count, rows = demo.all_rows(f"{API}/servers", state="maintenance")
     assert count == 1 and rows[0]["name"] == "ams1-r03-l40s-01"
     assert demo.all_rows(f"{API}/servers", state="enrolled")[0] == len(DEMO.servers) - 1
     assert "state" in detail(demo.viewer.get(f"{API}/servers", params={"state": "asleep"}), 422)
@@ -367,14 +383,23 @@ def test_sites(demo: Api) -> None:
     assert "atlantis" in detail(demo.viewer.get(f"{API}/sites/atlantis"), 404)
 
 
-def _demo_power(rack: str, on: frozenset[str] = frozenset()) -> Any:
+Moved = Mapping[str, tuple[ServerState, str]]
+
+
+def _demo_power(rack: str, moved: Moved | None = None) -> RackPower:
+    """What fleet.power makes of `rack`: each server counted as fleet.states.draws_max_power
+    says for its (state, power_state): IMPORTED unless `moved` says otherwise."""
     spec = DEMO.rack(rack)
-    draws = [ServerDraw(s.max_w, s.standby_w, on=s.name in on) for s in spec.servers]
+    where = moved or {}
+    draws = [
+        ServerDraw(s.max_w, s.standby_w, on=draws_max_power(*where.get(s.name, IMPORTED)))
+        for s in spec.servers
+    ]
     return rack_power(spec.feeds, draws)
 
 
-def _check_rack(row: dict[str, Any], on: frozenset[str] = frozenset()) -> None:
-    power = _demo_power(row["name"], on)
+def _check_rack(row: dict[str, Any], moved: Moved | None = None) -> None:
+    power = _demo_power(row["name"], moved)
     spec = DEMO.rack(row["name"])
     assert row["site"] == spec.site
     assert row["feeds"] == len(spec.feeds) and row["servers"] == len(spec.servers)
@@ -384,29 +409,74 @@ def _check_rack(row: dict[str, Any], on: frozenset[str] = frozenset()) -> None:
     assert row["all_on_w"] == round(power.all_on_w, 1)
 
 
+def _set_power_state(engine: Engine, name: str, power_state: PowerState) -> None:
+    """What a BMC poll records (the lifecycle state is not touched)."""
+    with engine.begin() as conn:
+        moved = conn.execute(
+            sa.update(Server).where(col(Server.name) == name).values(power_state=power_state)
+        )
+        assert moved.rowcount == 1
+
+
 def test_racks_budget_committed_headroom(demo: Api) -> None:
     count, racks = demo.all_rows(f"{API}/racks")
     assert count == len(DEMO.racks)
     for row in racks:
         _check_rack(row)
-    # The demo's own worked numbers: 2 × 415 V 32 A 3φ per side, four DGX at standby (90 W).
+        # Right after an import no BMC has been read: every server counts at its maximum.
+        assert row["committed_w"] == row["all_on_w"] > 0
+    # The demo's own worked numbers: 2 × 415 V 32 A 3φ per side, four DGX at 10.2 kW.
     r01 = ok(demo.viewer.get(f"{API}/racks/fra1-r01"))
-    assert (r01["budget_w"], r01["committed_w"], r01["headroom_w"]) == (36802.6, 360.0, 36442.6)
-    assert r01["all_on_w"] == 40800.0  # oversubscribed on purpose
+    assert (r01["budget_w"], r01["all_on_w"]) == (36802.6, 40800.0)  # oversubscribed on purpose
+    assert r01["headroom_w"] < 0  # every server counted on: over budget
     assert ok(demo.viewer.get(f"{API}/racks/ams1-r04"))["budget_w"] == 34776.0
 
-    # Booting counts a server at its maximum draw instead of its standby draw.
-    name = "fra1-r01-h100-01"
+    # The lifecycle reaches warm only once the BMC reported the server off: standby draw.
+    moved: dict[str, tuple[ServerState, str]] = {}
+    warm = DEMO.server("fra1-r01-h100-01")
+    with Session(demo.live.engine) as session:
+        event = lifecycle.transition(session, warm.name, ServerState.WARM, "tests", "spare")
+        assert event is not None and event.from_state == "enrolled"
+    moved[warm.name] = (ServerState.WARM, PowerState.UNKNOWN.value)
+    after = ok(demo.viewer.get(f"{API}/racks/fra1-r01"))
+    _check_rack(after, moved)
+    assert after["committed_w"] == r01["committed_w"] - (warm.max_w - warm.standby_w)
+    assert math.isclose(after["headroom_w"], r01["headroom_w"] + warm.max_w - warm.standby_w)
+    assert after["headroom_w"] > 0
+    for row in demo.all_rows(f"{API}/racks")[1]:  # the other racks did not move
+        _check_rack(row, moved)
+
+    # Maintenance (an operator move) says nothing about power: still counted at its maximum.
+    held = "fra1-r01-h100-02"
     ok(
         demo.operator.post(
-            f"{API}/servers/{name}/transition", json={"to": "booting", "reason": "t"}
+            f"{API}/servers/{held}/transition", json={"to": "maintenance", "reason": "t"}
         )
     )
-    r01 = ok(demo.viewer.get(f"{API}/racks/fra1-r01"))
-    _check_rack(r01, on=frozenset({name}))
-    assert (r01["committed_w"], r01["headroom_w"]) == (3 * 90 + 10200.0, 26332.6)
-    for row in demo.all_rows(f"{API}/racks")[1]:  # the other racks did not move
-        _check_rack(row, on=frozenset({name}))
+    moved[held] = (ServerState.MAINTENANCE, PowerState.UNKNOWN.value)
+    assert ok(demo.viewer.get(f"{API}/racks/fra1-r01"))["committed_w"] == after["committed_w"]
+    _check_rack(ok(demo.viewer.get(f"{API}/racks/fra1-r01")), moved)
+
+    # A BMC reading decides for a server that is not powered in the lifecycle: off is standby…
+    off = DEMO.server("fra1-r01-h100-03")
+    _set_power_state(demo.live.engine, off.name, PowerState.OFF)
+    moved[off.name] = (ServerState.ENROLLED, PowerState.OFF.value)
+    read_off = ok(demo.viewer.get(f"{API}/racks/fra1-r01"))
+    _check_rack(read_off, moved)
+    assert read_off["committed_w"] == after["committed_w"] - (off.max_w - off.standby_w)
+    # …and on is the maximum, even for a warm server.
+    _set_power_state(demo.live.engine, warm.name, PowerState.ON)
+    moved[warm.name] = (ServerState.WARM, PowerState.ON.value)
+    read_on = ok(demo.viewer.get(f"{API}/racks/fra1-r01"))
+    _check_rack(read_on, moved)
+    assert read_on["committed_w"] == read_off["committed_w"] + (warm.max_w - warm.standby_w)
+    # On its way up a server counts at its maximum, whatever the last reading said.
+    with Session(demo.live.engine) as session:
+        assert lifecycle.transition(session, off.name, ServerState.BOOTING, "tests", "go")
+    moved[off.name] = (ServerState.BOOTING, PowerState.OFF.value)
+    booting = ok(demo.viewer.get(f"{API}/racks/fra1-r01"))
+    _check_rack(booting, moved)
+    assert booting["committed_w"] == booting["all_on_w"] == r01["committed_w"]
 
     ams = demo.all_rows(f"{API}/racks", site="ams1")[1]
     assert sorted(r["name"] for r in ams) == sorted(r.name for r in DEMO.racks if r.site == "ams1")
@@ -441,22 +511,29 @@ def test_events_filters(demo: Api) -> None:
     since = datetime.now(UTC)
     ok(
         demo.operator.post(
-            f"{API}/servers/{name}/transition", json={"to": "warm", "reason": "spare"}
+            f"{API}/servers/{name}/transition", json={"to": "maintenance", "reason": "fans"}
         )
     )
     ok(
         demo.operator.post(
-            f"{API}/servers/{name}/transition", json={"to": "booting", "reason": "go"}
+            f"{API}/servers/{name}/transition", json={"to": "enrolled", "reason": "fixed"}
         )
     )
     recent = demo.events(since=since.isoformat())
     assert [(e["subject"], e["from_state"], e["to_state"]) for e in recent] == [
-        (name, "warm", "booting"),  # newest first
-        (name, "enrolled", "warm"),
+        (name, "maintenance", "enrolled"),  # newest first
+        (name, "enrolled", "maintenance"),
     ]
     assert recent[0]["id"] > recent[1]["id"]
     assert len(demo.events(kind="server", subject=name)) == 3
     assert len(demo.events(until=since.isoformat())) == len(demo.events()) - 2
+    # A time without a zone is UTC.
+    naive = since.replace(tzinfo=None).isoformat()
+    assert "+" not in naive and not naive.endswith("Z")
+    assert demo.events(since=naive) == recent
+    assert len(demo.events(until=naive)) == len(demo.events()) - 2
+    assert demo.events(since="2020-01-01T00:00:00") == demo.events()
+    assert demo.events(until="2020-01-01T00:00:00") == []
     assert "since" in detail(demo.viewer.get(f"{API}/events", params={"since": "yesterday"}), 422)
 
 
@@ -469,47 +546,128 @@ def test_legal_transition_writes_one_event(demo: Api) -> None:
     before = len(demo.events(subject=name))
     result = ok(
         demo.operator.post(
-            f"{API}/servers/{name}/transition", json={"to": "warm", "reason": "spare"}
+            f"{API}/servers/{name}/transition", json={"to": "maintenance", "reason": "psu swap"}
         )
     )
-    assert result["server"]["state"] == "warm"
+    assert result["server"]["state"] == "maintenance"
     event = result["event"]
     assert (event["from_state"], event["to_state"], event["kind"]) == (
         "enrolled",
-        "warm",
+        "maintenance",
         "server.transition",
     )
-    assert event["actor"] == "operator:operator" and event["message"] == "spare"
+    assert event["actor"] == "operator:operator" and event["message"] == "psu swap"
     assert len(demo.events(subject=name)) == before + 1
     # The same move again is a no-op: 200, no event.
     again = ok(
-        demo.operator.post(f"{API}/servers/{name}/transition", json={"to": "warm", "reason": "x"})
+        demo.operator.post(
+            f"{API}/servers/{name}/transition", json={"to": "maintenance", "reason": "x"}
+        )
     )
     assert again["event"] is None and len(demo.events(subject=name)) == before + 1
+    # Release: back to enrolled, one more event.
+    released = ok(
+        demo.operator.post(
+            f"{API}/servers/{name}/transition", json={"to": "enrolled", "reason": "done"}
+        )
+    )
+    assert released["server"]["state"] == "enrolled"
+    assert (released["event"]["from_state"], released["event"]["to_state"]) == (
+        "maintenance",
+        "enrolled",
+    )
+    assert len(demo.events(subject=name)) == before + 2
 
 
 def test_illegal_transition_is_409_and_changes_nothing(demo: Api) -> None:
+    url = f"{API}/servers/{{}}/transition"
     name = "fra1-r03-h200-02"
-    ok(
-        demo.operator.post(
-            f"{API}/servers/{name}/transition", json={"to": "warm", "reason": "spare"}
+    retired = "fra1-r03-h200-03"
+    ok(demo.operator.post(url.format(retired), json={"to": "retired", "reason": "eol"}))
+    cases = [
+        # draining is an operator move, but only from serving
+        (name, ServerState.ENROLLED, ServerState.DRAINING),
+        # retired is terminal
+        (retired, ServerState.RETIRED, ServerState.MAINTENANCE),
+        (retired, ServerState.RETIRED, ServerState.ENROLLED),
+    ]
+    for server, current, target in cases:
+        assert target in OPERATOR_TARGETS and target not in allowed_targets(current)
+        server_before = ok(demo.viewer.get(f"{API}/servers/{server}"))
+        assert server_before["state"] == current.value
+        events_before = demo.events()
+        response = demo.operator.post(
+            url.format(server), json={"to": target.value, "reason": "skip ahead"}
         )
+        text = detail(response, 409)
+        allowed = ", ".join(s.value for s in allowed_targets(current)) or "none (terminal)"
+        expected = (
+            f"from {current.value} to {target.value} (allowed from {current.value}: {allowed})"
+        )
+        assert expected in text, text
+        assert ok(demo.viewer.get(f"{API}/servers/{server}")) == server_before
+        assert demo.events() == events_before
+
+
+def _walk(engine: Engine, name: str, target: ServerState) -> list[ServerState]:
+    """Move `name` to `target` in the database, the only legal way (tests/factories.py)."""
+    with Session(engine) as session:
+        server = session.exec(select(Server).where(col(Server.name) == name)).one()
+        return walk_to(session, server, target)
+
+
+def test_fleet_only_targets_are_422_and_change_nothing(demo: Api) -> None:
+    """Moves that record what a BMC or agent reported are the fleet's own: 422 for every one,
+    even where the lifecycle allows it from the server's state (enrolled → warm or booting,
+    warm → booting)."""
+    fleet_only = [s for s in ServerState if s not in OPERATOR_TARGETS]
+    assert {ServerState.BOOTING, ServerState.WARM, ServerState.SERVING} <= set(fleet_only)
+    enrolled, warm = "fra1-r02-h100-03", "fra1-r02-h100-04"
+    assert _walk(demo.live.engine, warm, ServerState.WARM) == [ServerState.WARM]
+    legal_refused = 0
+    for name in (enrolled, warm):
+        server_before = ok(demo.viewer.get(f"{API}/servers/{name}"))
+        events_before = demo.events()
+        current = ServerState(server_before["state"])
+        for target in fleet_only:
+            if target == current:
+                continue
+            legal_refused += target in allowed_targets(current)
+            for client in (demo.operator, demo.admin):
+                response = client.post(
+                    f"{API}/servers/{name}/transition",
+                    json={"to": target.value, "reason": "by hand"},
+                )
+                text = detail(response, 422)
+                assert text.startswith(f"{target.value} is reached by the fleet itself"), text
+                assert all(s.value in text for s in OPERATOR_TARGETS), text
+        assert ok(demo.viewer.get(f"{API}/servers/{name}")) == server_before
+        assert demo.events() == events_before
+    assert legal_refused == 3  # enrolled → warm, enrolled → booting, warm → booting
+
+
+def test_draining_a_serving_server_is_an_operator_move(demo: Api) -> None:
+    name = "fra1-r03-h200-04"
+    path = _walk(demo.live.engine, name, ServerState.SERVING)
+    assert path[-1] == ServerState.SERVING and ServerState.BOOTING in path
+    url = f"{API}/servers/{name}/transition"
+    drained = ok(demo.operator.post(url, json={"to": "draining", "reason": "rebalance"}))
+    assert drained["server"]["state"] == "draining"
+    assert (drained["event"]["from_state"], drained["event"]["to_state"]) == (
+        "serving",
+        "draining",
     )
-    server_before = ok(demo.viewer.get(f"{API}/servers/{name}"))
-    events_before = demo.events()
-    response = demo.operator.post(
-        f"{API}/servers/{name}/transition", json={"to": "serving", "reason": "skip ahead"}
+    # draining → drained is legal, but it records that the replicas are gone: the fleet's call.
+    assert ServerState.DRAINED in allowed_targets(ServerState.DRAINING)
+    assert "reached by the fleet itself" in detail(
+        demo.operator.post(url, json={"to": "drained", "reason": "x"}), 422
     )
-    text = detail(response, 409)
-    allowed = ", ".join(s.value for s in allowed_targets(ServerState.WARM))
-    assert f"from warm to serving (allowed from warm: {allowed})" in text, text
-    assert ok(demo.viewer.get(f"{API}/servers/{name}")) == server_before
-    assert demo.events() == events_before
+    assert ok(demo.viewer.get(f"{API}/servers/{name}"))["state"] == "draining"
 
 
 def test_transition_errors(demo: Api) -> None:
     url = f"{API}/servers/{{}}/transition"
-    move = {"to": "warm", "reason": "spare"}
+    move = {"to": "maintenance", "reason": "fans"}
     assert "ghost" in detail(demo.operator.post(url.format("ghost"), json=move), 404)
     invalid = detail(
         demo.operator.post(url.format("fra1-r01-h100-01"), json={"to": "flying", "reason": "x"}),
@@ -517,10 +675,13 @@ def test_transition_errors(demo: Api) -> None:
     )
     assert invalid.startswith("body.to: must be one of") and "flying" not in invalid
     assert "body.reason: required" in detail(
-        demo.operator.post(url.format("fra1-r01-h100-01"), json={"to": "warm"}), 422
+        demo.operator.post(url.format("fra1-r01-h100-01"), json={"to": "maintenance"}), 422
     )
     assert "body.reason" in detail(
-        demo.operator.post(url.format("fra1-r01-h100-01"), json={"to": "warm", "reason": ""}), 422
+        demo.operator.post(
+            url.format("fra1-r01-h100-01"), json={"to": "maintenance", "reason": ""}
+        ),
+        422,
     )
     assert ok(demo.viewer.get(f"{API}/servers/fra1-r01-h100-01"))["state"] == "enrolled"
 
@@ -546,6 +707,76 @@ def test_patch_server_records_fields_not_values(demo: Api) -> None:
     # The state is not an editable field.
     text = detail(demo.operator.patch(f"{API}/servers/{name}", json={"state": "serving"}), 422)
     assert text == "body.state: unknown field"
+
+
+def _reads_still_work(demo: Api, name: str) -> None:
+    """The lists, the server and the export still answer (no null reached a NOT NULL column)."""
+    assert demo.all_rows(f"{API}/servers")[0] == len(DEMO.servers)
+    ok(demo.viewer.get(f"{API}/servers/{name}"))
+    export = demo.operator.get(f"{API}/inventory/export")
+    assert export.status_code == 200 and name in export.text, export.text[:200]
+
+
+@pytest.mark.parametrize(
+    "field", ["models_cached", "pool", "bmc_address", "bmc_port", "bmc_username", "bmc_password"]
+)
+def test_patch_server_null_is_422_and_changes_nothing(demo: Api, field: str) -> None:
+    name = "ams1-r01-h200-02"
+    url = f"{API}/servers/{name}"
+    before = ok(demo.viewer.get(url))
+    text = detail(demo.operator.patch(url, json={field: None}), 422)
+    assert field in text and "must not be null" in text, text
+    # Together with a valid field: the whole edit is refused.
+    text = detail(demo.operator.patch(url, json={"pool": "warm", field: None}), 422)
+    assert "must not be null" in text, text
+    assert ok(demo.viewer.get(url)) == before
+    assert demo.events(kind="server.updated") == []
+    _reads_still_work(demo, name)
+
+
+def test_patch_server_bmc_system_id_may_be_null(demo: Api) -> None:
+    name = "ams1-r01-h200-03"
+    url = f"{API}/servers/{name}"
+    assert ok(demo.viewer.get(url))["bmc_system_id"]
+    server = ok(demo.operator.patch(url, json={"bmc_system_id": None}))
+    assert server["bmc_system_id"] is None
+    assert ok(demo.viewer.get(url)) == server
+    [event] = demo.events(subject=name, kind="server.updated")
+    assert event["details"]["fields"] == ["bmc_system_id"]
+    _reads_still_work(demo, name)
+
+
+BMC_FIELDS = ("bmc_address", "bmc_port", "bmc_system_id")
+
+
+@pytest.mark.parametrize(
+    ("name", "other", "fields"),
+    [
+        # Redfish: the same emulator, another server's system id.
+        ("fra1-r01-h100-02", "fra1-r01-h100-01", ("bmc_system_id",)),
+        # IPMI: another server's port on the same address.
+        ("fra1-r04-l40s-02", "fra1-r04-l40s-01", ("bmc_port",)),
+        # Redfish onto an IPMI endpoint: port and a null system id together.
+        ("fra1-r01-h100-03", "fra1-r04-l40s-03", ("bmc_port", "bmc_system_id")),
+    ],
+    ids=["system-id", "port", "port-and-null-system-id"],
+)
+def test_patch_server_onto_another_servers_bmc_is_409(
+    demo: Api, name: str, other: str, fields: tuple[str, ...]
+) -> None:
+    url = f"{API}/servers/{name}"
+    before = ok(demo.viewer.get(url))
+    theirs = ok(demo.viewer.get(f"{API}/servers/{other}"))
+    assert before["bmc_address"] == theirs["bmc_address"]
+    assert [f for f in BMC_FIELDS if before[f] != theirs[f]] == list(fields)
+    edit = {f: theirs[f] for f in fields}
+    text = detail(demo.operator.patch(url, json={**edit, "pool": "warm"}), 409)
+    assert f"is already the BMC of server {other!r}" in text, text
+    assert ok(demo.viewer.get(url)) == before  # not even the pool
+    assert ok(demo.viewer.get(f"{API}/servers/{other}")) == theirs
+    assert demo.events(kind="server.updated") == []
+    # Its own endpoint, sent again, is no conflict.
+    ok(demo.operator.patch(url, json={f: before[f] for f in BMC_FIELDS}))
 
 
 def test_validation_errors_never_echo_the_input(demo: Api) -> None:
@@ -644,6 +875,31 @@ def test_update_deployment(demo: Api) -> None:
     )
     assert detail(demo.operator.patch(url, json={"name": "x"}), 422) == "body.name: unknown field"
     assert ok(demo.viewer.get(url)) == updated  # the rejected edits changed nothing
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "model_uri",
+        "model_checksum",
+        "engine_params",
+        "gpus_per_replica",
+        "gpu_models",
+        "min_replicas",
+        "max_replicas",
+        "sla_p95_latency_ms",
+        "sla_ttft_ms",
+        "disruption_budget",
+    ],
+)
+def test_update_deployment_null_is_422(demo: Api, field: str) -> None:
+    url = f"{API}/deployments/llama-8b"
+    before = ok(demo.viewer.get(url))
+    text = detail(demo.operator.patch(url, json={field: None}), 422)
+    assert field in text and "must not be null" in text, text
+    assert ok(demo.viewer.get(url)) == before
+    assert demo.events(kind="deployment.updated") == []
+    assert len(demo.all_rows(f"{API}/deployments")[1]) == len(DEMO.deployments)
 
 
 @pytest.mark.parametrize(

@@ -7,24 +7,34 @@ runs on both. Every error is one line on stderr and a non-zero exit code.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 from cryptography.fernet import Fernet
 from live import DEMO_INVENTORY, Live, closed_port, database_env, load_demo, serve
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner, Result
 
 import cli
 from fleet import db as fleet_db
+from fleet.auth import MAX_TOKEN_NAME
 from fleet.models import Role
 from fleet.power import ServerDraw, rack_power
+from fleet.settings import get_settings
+from fleet.states import OPERATOR_TARGETS, ServerState, allowed_targets, draws_max_power
 
 DEMO = load_demo()
 DEMO_FILE = str(DEMO_INVENTORY)
+# Every server right after an import: enrolled, and no BMC read yet.
+IMPORTED = (ServerState.ENROLLED, "unknown")
 sqlite_only = pytest.mark.parametrize("engine", ["sqlite"], indirect=True)
 
 
@@ -110,16 +120,21 @@ def test_racks_table_shows_power(fleetctl: Fleetctl) -> None:
         "all-on W",
     ]
     assert sorted(rows) == sorted(r.name for r in DEMO.racks)
-    # demo.yaml's own figures: 36,803 W budget, four DGX at 90 W standby, 40.8 kW all on.
-    assert rows["fra1-r01"][4:] == ["36,803", "360", "36,443", "40,800"]
+    # demo.yaml's own figures: 36,803 W budget, 40.8 kW all on; no BMC read yet, so every
+    # server counts at its maximum and the rack shows negative headroom.
+    assert rows["fra1-r01"][4:] == ["36,803", "40,800", "-3,997", "40,800"]
     assert rows["ams1-r04"][4] == "34,776"
     for rack in DEMO.racks:
-        power = rack_power(
-            rack.feeds, [ServerDraw(s.max_w, s.standby_w, False) for s in rack.servers]
-        )
-        expected = [watts(power.budget_w), watts(power.committed_w), watts(power.headroom_w)]
+        draws = [ServerDraw(s.max_w, s.standby_w, draws_max_power(*IMPORTED)) for s in rack.servers]
+        power = rack_power(rack.feeds, draws)
+        expected = [
+            watts(power.budget_w),
+            watts(power.committed_w),
+            watts(power.headroom_w),
+            watts(power.all_on_w),
+        ]
         assert rows[rack.name][1:5] == [rack.site, "active", str(len(rack.servers)), expected[0]]
-        assert rows[rack.name][5:7] == expected[1:]
+        assert rows[rack.name][5:] == expected[1:]
     only = table_rows(fleetctl.ok("racks", "--site", "ams1").stdout)
     assert sorted(only) == sorted(["rack", *(r.name for r in DEMO.racks if r.site == "ams1")])
 
@@ -153,16 +168,44 @@ def test_json_output(fleetctl: Fleetctl) -> None:
 def test_transition(fleetctl: Fleetctl) -> None:
     fleetctl.import_demo()
     name = "fra1-r02-h100-01"
-    moved = fleetctl.ok("servers", "transition", name, "warm", "--reason", "spare")
-    assert moved.stdout == f"{name}: enrolled → warm\n"
-    again = fleetctl.ok("servers", "transition", name, "warm", "--reason", "spare")
-    assert again.stdout == f"{name} is already warm\n"
+    moved = fleetctl.ok("servers", "transition", name, "maintenance", "--reason", "fans")
+    assert moved.stdout == f"{name}: enrolled → maintenance\n"
+    again = fleetctl.ok("servers", "transition", name, "maintenance", "--reason", "fans")
+    assert again.stdout == f"{name} is already maintenance\n"
+    released = fleetctl.ok("servers", "transition", name, "enrolled", "--reason", "fixed")
+    assert released.stdout == f"{name}: maintenance → enrolled\n"
     events = fleetctl.json("events", "--subject", name)
     assert [(e["kind"], e["to_state"]) for e in events] == [
-        ("server.transition", "warm"),
+        ("server.transition", "enrolled"),
+        ("server.transition", "maintenance"),
         ("server.enrolled", "enrolled"),
     ]
-    assert events[0]["actor"] == "admin:cli-admin" and events[0]["message"] == "spare"
+    assert events[1]["actor"] == "admin:cli-admin" and events[1]["message"] == "fans"
+    assert events[0]["message"] == "fixed"
+    # Dates without a time or a zone are UTC midnight: every event is after 2020-01-01.
+    since = fleetctl.json("events", "--since", "2020-01-01", "--subject", name)
+    assert since == events
+    table = fleetctl.ok("events", "--since", "2020-01-01", "--subject", name).stdout
+    assert table.count("server.transition") == 2 and "server.enrolled" in table
+
+
+@sqlite_only
+@pytest.mark.parametrize("target", ["booting", "serving", "warm"])
+def test_transition_to_a_fleet_only_state_is_refused(fleetctl: Fleetctl, target: str) -> None:
+    """The lifecycle allows enrolled → booting and → warm, but only the fleet records them."""
+    fleetctl.import_demo()
+    name = "fra1-r01-h100-01"
+    assert ServerState(target) not in OPERATOR_TARGETS
+    result = fleetctl("servers", "transition", name, target, "--reason", "by hand")
+    line = one_line_error(
+        result,
+        f"{target} is reached by the fleet itself",
+        "operators may move a server to: ",
+    )
+    assert result.exit_code == 1
+    assert all(s.value in line for s in OPERATOR_TARGETS), line
+    assert fleetctl.json("servers", "show", name)["state"] == "enrolled"
+    assert [e["kind"] for e in fleetctl.json("events", "--subject", name)] == ["server.enrolled"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +239,13 @@ def test_role_too_low(fleetctl: Fleetctl) -> None:
     assert "fra1-r01" in fleetctl.ok("racks", token=viewer).stdout  # the new token works
     one_line_error(
         fleetctl(
-            "servers", "transition", "fra1-r01-h100-01", "warm", "--reason", "x", token=viewer
+            "servers",
+            "transition",
+            "fra1-r01-h100-01",
+            "maintenance",
+            "--reason",
+            "x",
+            token=viewer,
         ),
         "a viewer token cannot do this; it needs the operator role",
     )
@@ -205,13 +254,27 @@ def test_role_too_low(fleetctl: Fleetctl) -> None:
 @sqlite_only
 def test_illegal_transition_409(fleetctl: Fleetctl) -> None:
     fleetctl.import_demo()
+    allowed = ", ".join(s.value for s in allowed_targets(ServerState.ENROLLED))
+    assert allowed.startswith("warm, booting")
+    result = fleetctl("servers", "transition", "fra1-r01-h100-01", "draining", "--reason", "x")
     one_line_error(
-        fleetctl("servers", "transition", "fra1-r01-h100-01", "serving", "--reason", "x"),
-        "cannot move from enrolled to serving",
-        "allowed from enrolled: warm, booting",
+        result,
+        "cannot move from enrolled to draining",
+        f"(allowed from enrolled: {allowed})",
     )
+    assert result.exit_code == 1
     assert fleetctl.json("servers", "show", "fra1-r01-h100-01")["state"] == "enrolled"
-    one_line_error(fleetctl("servers", "transition", "ghost", "warm", "--reason", "x"), "ghost")
+    # Retired is terminal: not even maintenance.
+    fleetctl.ok("servers", "transition", "fra1-r01-h100-02", "retired", "--reason", "eol")
+    one_line_error(
+        fleetctl("servers", "transition", "fra1-r01-h100-02", "maintenance", "--reason", "x"),
+        "cannot move from retired to maintenance",
+        "(allowed from retired: none (terminal))",
+    )
+    assert fleetctl.json("servers", "show", "fra1-r01-h100-02")["state"] == "retired"
+    one_line_error(
+        fleetctl("servers", "transition", "ghost", "maintenance", "--reason", "x"), "ghost"
+    )
     one_line_error(
         fleetctl("servers", "transition", "fra1-r01-h100-01", "flying", "--reason", "x"),
         "body.to: must be one of",
@@ -288,7 +351,8 @@ def test_import_export_round_trip(fleetctl: Fleetctl, tmp_path: Path) -> None:
     report = fleetctl.json("inventory", "validate", str(exported))
     assert report["changes"] == [] and report["dry_run"] is True
     # Lifecycle state is not inventory: a transition leaves the export as it was.
-    fleetctl.ok("servers", "transition", "fra1-r01-h100-01", "warm", "--reason", "x")
+    fleetctl.ok("servers", "transition", "fra1-r01-h100-01", "maintenance", "--reason", "x")
+    assert fleetctl.json("servers", "show", "fra1-r01-h100-01")["state"] == "maintenance"
     assert fleetctl.ok("inventory", "export").stdout == exported.read_text()
 
 
@@ -364,6 +428,16 @@ def test_token_create_errors(fleetctl: Fleetctl) -> None:
         fleetctl("token", "create", "--role", "viewer", "--server", "x"),
         "--server applies only to agent tokens",
     )
+    too_long = "n" * (MAX_TOKEN_NAME + 1)
+    result = fleetctl("token", "create", "--role", "viewer", "--name", too_long)
+    line = one_line_error(result, f"a token name must be 1-{MAX_TOKEN_NAME} characters")
+    assert result.exit_code == 1 and too_long not in line
+    longest = fleetctl.ok("token", "create", "--role", "viewer", "--name", "n" * MAX_TOKEN_NAME)
+    assert longest.stdout.startswith("flt_")
+    assert [t["name"] for t in fleetctl.json("token", "list")] == [
+        "cli-admin",
+        "n" * MAX_TOKEN_NAME,
+    ]
     fleetctl.import_demo()
     agent = fleetctl.ok("token", "create", "--role", "agent", "--server", "fra1-r01-h100-01")
     assert agent.stdout.startswith("flt_") and agent.stdout.count("\n") == 1
@@ -418,9 +492,6 @@ def test_db_current(fleetctl: Fleetctl) -> None:
 )
 def test_console_script_usage_errors_are_one_line(args: list[str], expected: str) -> None:
     """The installed `fleetctl` (cli.main), not CliRunner: what an operator's shell sees."""
-    import subprocess
-    import sys
-
     fleetctl = Path(sys.executable).parent / "fleetctl"
     result = subprocess.run(
         [str(fleetctl), *args], capture_output=True, text=True, timeout=60, check=False
@@ -429,3 +500,136 @@ def test_console_script_usage_errors_are_one_line(args: list[str], expected: str
     assert result.stdout == ""
     [line] = result.stderr.splitlines()
     assert line.startswith("error: ") and expected in line and "--help" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration and database failures: one line, never a traceback, never a password
+
+GOOD_KEY = Fernet.generate_key().decode()
+DIRECT_COMMANDS = [
+    ["db", "upgrade"],
+    ["db", "current"],
+    ["token", "create", "--role", "admin"],
+    ["serve", "--port", "1"],  # never gets as far as listening
+]
+
+
+def console_script(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """The installed `fleetctl` with these FLEET_* variables (on top of the test session's)."""
+    fleetctl = Path(sys.executable).parent / "fleetctl"
+    return subprocess.run(
+        [str(fleetctl), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, **env},
+    )
+
+
+def one_line_failure(result: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: "), line
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+def test_console_script_invalid_secret_key(tmp_path: Path) -> None:
+    result = console_script(
+        ["serve", "--port", "1"],
+        FLEET_DATABASE_URL=f"sqlite:///{tmp_path / 'fleet.db'}",
+        FLEET_SECRET_KEY="not-a-fernet-key",
+    )
+    line = one_line_failure(result, "secret key is not a valid Fernet key")
+    assert "not-a-fernet-key" not in line
+
+
+@pytest.mark.parametrize("args", DIRECT_COMMANDS, ids=" ".join)
+def test_console_script_unreachable_database(args: list[str]) -> None:
+    url = f"postgresql+psycopg://postgres:secretpw@127.0.0.1:{closed_port()}/fleet"
+    result = console_script(args, FLEET_DATABASE_URL=url, FLEET_SECRET_KEY=GOOD_KEY)
+    line = one_line_failure(result, "cannot use the database", "Connection refused")
+    assert "secretpw" not in result.stderr and "postgresql" not in line
+
+
+@pytest.mark.parametrize("args", DIRECT_COMMANDS, ids=" ".join)
+def test_console_script_unsupported_database_url(args: list[str]) -> None:
+    result = console_script(args, FLEET_DATABASE_URL="mysql://u:secretpw@h/db")
+    line = one_line_failure(result, "database_url: FLEET_DATABASE_URL must be sqlite:///")
+    assert "secretpw" not in result.stderr and "mysql" not in line
+
+
+def test_console_script_url_sqlalchemy_rejects() -> None:
+    result = console_script(
+        ["db", "current"],
+        FLEET_DATABASE_URL="sqlite://u:secretpw@h/db",
+        FLEET_SECRET_KEY=GOOD_KEY,
+    )
+    one_line_failure(result, "cannot use the database: Invalid SQLite URL")
+    assert "secretpw" not in result.stderr
+
+
+@pytest.fixture
+def fresh_settings() -> Iterator[None]:
+    """fleet's settings are cached: read them again from the environment, in and out."""
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+@pytest.mark.usefixtures("fresh_settings")
+def test_invalid_settings_are_one_line() -> None:
+    runner = CliRunner()
+    result = runner.invoke(cli.app, ["db", "current"], env={"FLEET_LISTEN_PORT": "eighty"})
+    line = one_line_error(result, "listen_port: must be an integer")
+    assert "eighty" not in line
+    get_settings.cache_clear()
+    result = runner.invoke(
+        cli.app, ["db", "current"], env={"FLEET_DATABASE_URL": "mysql://u:secretpw@h/db"}
+    )
+    assert one_line_error(result) == (
+        "error: database_url: FLEET_DATABASE_URL must be sqlite:///PATH or "
+        "postgresql+psycopg://USER@HOST/DB"
+    )
+
+
+@pytest.mark.usefixtures("fresh_settings")
+@pytest.mark.parametrize(
+    "driver_message",
+    [
+        'connection to "postgresql://u:secretpw@db.example/fleet" failed\nDETAIL: more',
+        "invalid dsn: host=db.example password=secretpw user=u",
+        "server said: secretpw is not a valid password",
+    ],
+)
+def test_database_errors_never_show_the_password(
+    driver_message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whatever the driver puts in its message, the URL's password does not reach stderr."""
+    monkeypatch.setenv("FLEET_DATABASE_URL", "postgresql+psycopg://u:secretpw@db.example/fleet")
+
+    @cli.handled
+    def command() -> None:
+        raise sa_exc.OperationalError("SELECT 1", None, Exception(driver_message))
+
+    with pytest.raises(typer.Exit) as exited:
+        command()
+    assert exited.value.exit_code == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: cannot use the database: ")
+    assert "secretpw" not in line and "DETAIL" not in line
+
+
+@pytest.mark.usefixtures("fresh_settings")
+def test_value_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    @cli.handled
+    def command() -> None:
+        raise ValueError("the secret key is not a valid Fernet key\nsecond line")
+
+    with pytest.raises(typer.Exit):
+        command()
+    assert capsys.readouterr().err == "error: the secret key is not a valid Fernet key\n"

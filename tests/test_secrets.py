@@ -46,6 +46,8 @@ SITE, RACK = "sec1", "sec1-r01"
 SERVERS = ("sec1-r01-h100-01", "sec1-r01-h100-02", "sec1-r01-l40s-01", "sec1-r01-l40s-02")
 DEPLOYMENT = "sec-llama"
 API = "/api/v1"
+# The operator move the route sweep makes (enrolled → maintenance is allowed).
+SWEEP_MOVE = "maintenance"
 # Commands that never reach the service or the database need nothing but a run.
 NOT_EXERCISED: frozenset[tuple[str, ...]] = frozenset()
 
@@ -241,6 +243,24 @@ def test_bmc_passwords_never_leak(
         for who, method, template, status in evidence.statuses:
             assert status < 500, f"{who} {method} {template}: {status}"
         assert ("admin", "PATCH", f"{API}/servers/{{name}}", 200) in evidence.statuses
+        # The sweep made real calls, not only refused ones: an operator move was accepted (the
+        # admin's moved the server, the operator's repeated it) and the operator validated.
+        transition = f"{API}/servers/{{name}}/transition"
+        validate = f"{API}/inventory/validate"
+        for expected in (
+            ("admin", "POST", transition, 200),
+            ("operator", "POST", transition, 200),
+            ("viewer", "POST", transition, 403),
+            ("operator", "POST", validate, 200),
+            ("admin", "POST", validate, 200),
+            ("viewer", "POST", validate, 403),
+        ):
+            assert expected in evidence.statuses, expected
+        moved = clients["admin"].get(f"{API}/servers/{SERVERS[0]}")
+        assert (
+            evidence.response("admin", "GET", f"{API}/servers/{{name}}", moved).json()["state"]
+            == SWEEP_MOVE
+        )
 
         # Every fleetctl command against the live service (and the database for db/token/serve).
         run_cli = _cli_runner(live, admin_token, evidence)
@@ -282,7 +302,7 @@ def _valid_request(method: str, template: str, pw: Passwords) -> tuple[dict[str,
         password = pw.spare()
         return {"json": {"bmc_password": password, "pool": "baseline"}}, password
     if template.endswith("/transition"):
-        return {"json": {"to": "warm", "reason": "sweep"}}, None
+        return {"json": {"to": SWEEP_MOVE, "reason": "sweep"}}, None
     if template == f"{API}/deployments" and method == "POST":
         body = {
             "name": f"sweep-{secrets.token_hex(3)}",
@@ -371,8 +391,10 @@ def _run_every_command(
         cmd(("deployments", "list"), "-o", output)
         cmd(("deployments", "show"), DEPLOYMENT, "-o", output)
         cmd(("events",), "-o", output, "--limit", "1000")
-    cmd(("servers", "transition"), s3, "warm", "--reason", "cli")
-    cmd(("servers", "transition"), s3, "serving", "--reason", "cli", code=1)
+    cmd(("servers", "transition"), s3, "maintenance", "--reason", "cli")
+    cmd(("servers", "transition"), s3, "enrolled", "--reason", "cli")  # release
+    cmd(("servers", "transition"), s3, "serving", "--reason", "cli", code=1)  # the fleet's own
+    cmd(("servers", "transition"), s3, "draining", "--reason", "cli", code=1)  # not from enrolled
     cmd(
         ("deployments", "create"),
         "cli-dep",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import stat
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from cryptography.fernet import Fernet
+from pg import throwaway_database
 from pydantic import SecretStr, ValidationError
 from sqlalchemy.engine import Engine
 
@@ -264,17 +264,9 @@ def test_db_upgrade_then_current_print_the_head(tmp_path: Path) -> None:
 @pytest.fixture
 def empty_pg(pg_url: str) -> Iterator[str]:
     """A new, empty Postgres database (URL in psycopg form); dropped afterwards."""
-    admin_url = sa.engine.make_url(pg_url).set(database="postgres")
-    name = f"fleet_settings_{os.getpid()}_{secrets.token_hex(4)}"
-    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield admin_url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    admin = sa.make_url(pg_url).set(database="postgres").render_as_string(hide_password=False)
+    with throwaway_database("fleet_settings", admin) as url:
+        yield url
 
 
 def test_postgres_check_migrated_before_and_after_upgrade(empty_pg: str, tmp_path: Path) -> None:

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 from factories import add_rack, add_server, add_site
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
-from fleet.auth import authenticate, create_token, hash_token, list_tokens, revoke_token
+from fleet.auth import (
+    MAX_TOKEN_NAME,
+    authenticate,
+    create_token,
+    hash_token,
+    list_tokens,
+    revoke_token,
+)
 from fleet.errors import FleetError, NotFoundError
 from fleet.models import ApiToken, Event, Role
 
@@ -65,7 +72,28 @@ def test_revoked_tokens_stop_working_and_revoking_twice_is_a_no_op(session: Sess
     assert authenticate(session, token) is None
     assert revoke_token(session, info.id).revoked_at == revoked.revoked_at
     session.commit()
-    kinds = [e.kind for e in session.exec(select(Event).where(Event.subject_type == "token"))]
+    # Ordered by id: without ORDER BY, Postgres returns rows wherever they sit on disk, and
+    # earlier tests' wiped rows leave free space that a later insert may fill first.
+    token_events = select(Event).where(Event.subject_type == "token").order_by(col(Event.id))
+    kinds = [e.kind for e in session.exec(token_events)]
     assert kinds == ["token.created", "token.revoked"]
     with pytest.raises(NotFoundError, match="token list"):
         revoke_token(session, 999)
+
+
+def test_token_names_are_1_to_80_characters(session: Session) -> None:
+    """Events name a caller "<role>:<name>" in a 100-character column."""
+    assert MAX_TOKEN_NAME == 80
+    for name in ("", "n" * (MAX_TOKEN_NAME + 1), "n" * 1000):
+        with pytest.raises(FleetError, match=f"a token name must be 1-{MAX_TOKEN_NAME} characters"):
+            create_token(session, name, Role.ADMIN)
+    session.commit()
+    assert session.exec(select(ApiToken)).all() == []
+    assert session.exec(select(Event)).all() == []
+    longest = "n" * MAX_TOKEN_NAME
+    token = create_token(session, longest, Role.OPERATOR)
+    session.commit()
+    principal = authenticate(session, token)
+    assert principal is not None and principal.actor == f"operator:{longest}"
+    [event] = session.exec(select(Event)).all()
+    assert (event.kind, event.subject) == ("token.created", longest)

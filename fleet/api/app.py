@@ -61,14 +61,16 @@ def create_app(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         start = time.perf_counter()
-        response = await http_metrics.middleware(request, call_next)
+        response = await call_next(request)
+        seconds = time.perf_counter() - start
+        http_metrics.observe(request, response.status_code, seconds)
         # Method, path and status only: bodies (which may carry BMC passwords) are never logged.
         access_log.info(
             "%s %s %d %.1fms",
             request.method,
             request.url.path,
             response.status_code,
-            (time.perf_counter() - start) * 1000,
+            seconds * 1000,
         )
         return response
 

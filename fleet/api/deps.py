@@ -86,6 +86,8 @@ BoxDep = Annotated[SecretBox, Depends(get_box)]
 
 @dataclass(frozen=True, slots=True)
 class Paging:
+    """`limit`/`offset` of a list request; `page` wraps one page, `slice` pages a full list."""
+
     limit: int
     offset: int
     request: Request
@@ -103,6 +105,9 @@ class Paging:
             "previous": link(max(0, self.offset - self.limit)) if self.offset > 0 else None,
             "results": results,
         }
+
+    def slice(self, rows: list[Any]) -> dict[str, Any]:
+        return self.page(len(rows), rows[self.offset : self.offset + self.limit])
 
 
 def paging(

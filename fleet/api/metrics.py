@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -11,7 +10,6 @@ from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, func, select
 from starlette.requests import Request
-from starlette.responses import Response
 
 from fleet.models import Server
 from fleet.racks import rack_views
@@ -68,14 +66,8 @@ class HttpMetrics:
             registry=registry,
         )
 
-    async def middleware(
-        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        start = time.perf_counter()
-        response = await call_next(request)
+    def observe(self, request: Request, status: int, seconds: float) -> None:
         # The route template, not the path: /servers/{name}, so label values stay bounded.
-        route = request.scope.get("route")
-        template = getattr(route, "path", "unmatched")
-        self.requests.labels(request.method, template, str(response.status_code)).inc()
-        self.latency.labels(request.method, template).observe(time.perf_counter() - start)
-        return response
+        template = getattr(request.scope.get("route"), "path", "unmatched")
+        self.requests.labels(request.method, template, str(status)).inc()
+        self.latency.labels(request.method, template).observe(seconds)

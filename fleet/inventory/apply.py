@@ -35,7 +35,7 @@ from fleet.models import (
 )
 from fleet.power import Feed, ServerDraw, rack_power, side_watts
 from fleet.racks import to_feed
-from fleet.validation import place, validation_messages
+from fleet.validation import messages_under
 
 Kind = Literal["gpu_model", "site", "rack", "feed", "server", "deployment"]
 KINDS: tuple[Kind, ...] = ("gpu_model", "site", "rack", "feed", "server", "deployment")
@@ -128,7 +128,7 @@ def _server_spec(server: ServerIn, rack: str, where: str, errors: list[str]) -> 
             models_cached=list(server.models_cached),
         )
     except ValidationError as exc:
-        errors.extend(f"{where}.{m}" for m in validation_messages(exc))
+        errors.extend(messages_under(where, exc))
         return None
 
 
@@ -148,10 +148,7 @@ def _deployment_spec(dep: DeploymentIn, where: str, errors: list[str]) -> Deploy
             disruption_budget=dep.disruption_budget,
         )
     except ValidationError as exc:
-        for e in exc.errors():
-            msg = str(e.get("ctx", {}).get("error", e["msg"]))
-            loc = place(tuple(e["loc"]))
-            errors.append(f"{where}{'.' + loc if e['loc'] else ''}: {msg}")
+        errors.extend(messages_under(where, exc))
         return None
 
 
@@ -361,10 +358,26 @@ def _warnings(plan: _Plan, existing: _Existing) -> list[str]:
     return out
 
 
+# Any constant: the advisory lock that serialises inventory imports across service replicas.
+_IMPORT_LOCK = 0x466C656574  # "Fleet"
+
+
+def _one_import_at_a_time(session: Session) -> None:
+    """Hold the import lock until the caller's transaction ends, so that two imports cannot
+    both pass the checks (free U, unique names) against the same snapshot."""
+    conn = session.connection()
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _IMPORT_LOCK})
+    else:
+        # SQLite: any write statement takes the database's write lock until commit or rollback.
+        conn.execute(sa.text("UPDATE site SET id = id WHERE 0 = 1"))
+
+
 def plan(
     session: Session, inv: InventoryFile, box: SecretBox
 ) -> tuple[ImportReport, _Plan, _Existing]:
     """Validate `inv` against the fleet and compute what an import would change (no writes)."""
+    _one_import_at_a_time(session)
     existing = _Existing.load(session)
     errors: list[str] = []
     desired = _collect(inv, existing, errors)

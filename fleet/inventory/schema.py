@@ -54,11 +54,11 @@ class BmcIn(_Strict):
     username: Annotated[str, StringConstraints(min_length=1, max_length=100)]
     # Optional on re-import: an omitted password keeps the stored one (export never writes it).
     password: SecretStr | None = None
-    system_id: str | None = None
+    system_id: Annotated[str, StringConstraints(max_length=255)] | None = None
 
 
 class GpuIn(_Strict):
-    model: str
+    model: Annotated[str, StringConstraints(min_length=1, max_length=32)]
     count: int = Field(ge=0, le=64)
     memory_mib: int | None = Field(default=None, gt=0)
 
@@ -71,7 +71,7 @@ class PowerIn(_Strict):
 
 class ServerIn(_Strict):
     name: Name
-    serial: str | None = None
+    serial: Annotated[str, StringConstraints(max_length=100)] | None = None
     u: int = Field(ge=1, le=60)
     u_height: int = Field(default=1, ge=1, le=16)
     bmc: BmcIn
@@ -96,18 +96,21 @@ class FeedIn(_Strict):
     max_utilisation_pct: float = Field(default=80.0, gt=0, le=100)
 
 
+Description = Annotated[str, StringConstraints(max_length=500)]
+
+
 class RackIn(_Strict):
     name: Name
     u_height: int = Field(default=42, ge=1, le=60)
     status: RackStatus = RackStatus.ACTIVE
-    description: str = ""
+    description: Description = ""
     feeds: list[FeedIn] = Field(default_factory=list)
     servers: list[ServerIn] = Field(default_factory=list)
 
 
 class SiteIn(_Strict):
     name: Name
-    description: str = ""
+    description: Description = ""
     racks: list[RackIn] = Field(default_factory=list)
 
 

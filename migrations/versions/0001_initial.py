@@ -167,6 +167,14 @@ def upgrade() -> None:
         batch_op.create_index(batch_op.f("ix_server_state"), ["state"], unique=False)
         batch_op.create_index(batch_op.f("ix_server_pool"), ["pool"], unique=False)
         batch_op.create_index(batch_op.f("ix_server_gpu_model"), ["gpu_model"], unique=False)
+    # Plain CREATE INDEX: batch mode would reflect the table, and SQLite cannot reflect an
+    # expression index.
+    op.create_index(
+        "uq_server_bmc_endpoint",
+        "server",
+        ["bmc_address", "bmc_port", sa.text("coalesce(bmc_system_id, '')")],
+        unique=True,
+    )
 
     op.create_table(
         "api_token",
@@ -205,9 +213,49 @@ def upgrade() -> None:
     )
     with op.batch_alter_table("gpu", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_gpu_server_id"), ["server_id"], unique=False)
+    _create_event_guard()
+
+
+# Events are append-only. Postgres refuses UPDATE and DELETE unless a maintenance job (event
+# retention, the test harness) says otherwise for its own transaction:
+#   SET LOCAL fleet.event_maintenance = 'on'
+# SQLite has no session settings: it refuses UPDATE only.
+_PG_GUARD = """
+CREATE FUNCTION fleet_event_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('fleet.event_maintenance', true) = 'on' THEN
+        IF TG_OP = 'DELETE' THEN RETURN OLD; END IF;
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'events are append-only: % refused', TG_OP;
+END $$;
+CREATE TRIGGER event_append_only BEFORE UPDATE OR DELETE ON event
+    FOR EACH ROW EXECUTE FUNCTION fleet_event_append_only();
+"""
+_SQLITE_GUARD = """
+CREATE TRIGGER event_append_only BEFORE UPDATE ON event
+BEGIN SELECT RAISE(ABORT, 'events are append-only: UPDATE refused'); END;
+"""
+
+
+def _create_event_guard() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(_PG_GUARD)
+    else:
+        op.execute(_SQLITE_GUARD)
+
+
+def _drop_event_guard() -> None:
+    op.execute(
+        "DROP TRIGGER IF EXISTS event_append_only"
+        + (" ON event" if op.get_bind().dialect.name == "postgresql" else "")
+    )
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute("DROP FUNCTION IF EXISTS fleet_event_append_only()")
 
 
 def downgrade() -> None:
+    _drop_event_guard()
     with op.batch_alter_table("gpu", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_gpu_server_id"))
 
@@ -216,6 +264,7 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f("ix_api_token_token_hash"))
 
     op.drop_table("api_token")
+    op.drop_index("uq_server_bmc_endpoint", table_name="server")
     with op.batch_alter_table("server", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_server_gpu_model"))
         batch_op.drop_index(batch_op.f("ix_server_pool"))

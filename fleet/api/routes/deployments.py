@@ -15,8 +15,7 @@ router = APIRouter(prefix="/deployments", tags=["deployments"])
 
 @router.get("")
 def list_deployments(_: Viewer, session: SessionDep, paging: PagingDep) -> dict[str, Any]:
-    rows = service.list_deployments(session)
-    return paging.page(len(rows), rows[paging.offset : paging.offset + paging.limit])
+    return paging.slice(service.list_deployments(session))
 
 
 @router.get("/{name}")

@@ -62,9 +62,13 @@ async def import_file(
 
 @router.post("/validate", openapi_extra=YAML_BODY)
 async def validate_file(
-    request: Request, user: Viewer, box: BoxDep, session: SessionDep
+    request: Request, user: Operator, box: BoxDep, session: SessionDep
 ) -> ImportReport:
-    """Check a file against the fleet as an import would; writes nothing."""
+    """Check a file against the fleet as an import would; writes nothing.
+
+    Operators only, like import: a report says whether a supplied BMC password differs from
+    the stored one (that is what keeps re-imports idempotent), which a viewer must not learn.
+    """
     body = await _read(request)
     return await run_in_threadpool(_import, session, body, box, user.actor, True)
 

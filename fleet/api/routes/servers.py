@@ -8,9 +8,10 @@ from fastapi import APIRouter
 
 from fleet import lifecycle
 from fleet.api.deps import BoxDep, Operator, PagingDep, SessionDep, Viewer
+from fleet.errors import NotAnOperatorMove
 from fleet.models import EventPublic, Pool, ServerPublic, ServerUpdate, TransitionRequest
 from fleet.servers import ServerFilter, get_server, list_gpus, list_servers, update_server
-from fleet.states import ServerState
+from fleet.states import OPERATOR_TARGETS, ServerState
 
 router = APIRouter(tags=["servers"])
 
@@ -47,7 +48,17 @@ def edit_server(
 def transition(
     name: str, move: TransitionRequest, user: Operator, session: SessionDep
 ) -> dict[str, Any]:
-    """Move a server through the lifecycle; 409 if the move is not allowed from its state."""
+    """An operator's lifecycle move: maintenance, retired, enrolled (release) or draining.
+
+    422 for a target only the fleet's own loops may reach; 409 if the move is not allowed
+    from the server's current state.
+    """
+    if move.to not in OPERATOR_TARGETS:
+        allowed = ", ".join(sorted(s.value for s in OPERATOR_TARGETS))
+        raise NotAnOperatorMove(
+            f"{move.to.value} is reached by the fleet itself (it records what the BMC or the "
+            f"agent reported), not by hand; operators may move a server to: {allowed}"
+        )
     event = lifecycle.transition(session, name, move.to, user.actor, move.reason)
     return {
         "server": get_server(session, name),

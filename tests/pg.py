@@ -1,0 +1,32 @@
+"""Throwaway Postgres databases for tests: created on the local server, dropped after."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import sqlalchemy as sa
+
+ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+@contextmanager
+def throwaway_database(prefix: str, admin_url: str = ADMIN_URL, options: str = "") -> Iterator[str]:
+    """Create `<prefix>_<pid>_<hex>` (with CREATE DATABASE `options`), yield its URL, drop it
+    (WITH (FORCE): connections a failed test left open do not keep it alive)."""
+    admin = sa.create_engine(
+        admin_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
+    )
+    name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}" {options}'))
+        try:
+            yield sa.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as conn:
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
