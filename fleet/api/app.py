@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel
 from sqlalchemy.engine import Engine
 from starlette.responses import Response
 
@@ -25,6 +26,27 @@ from fleet.settings import Settings, get_settings
 from fleet.validation import error_messages
 
 log = logging.getLogger("fleet.api")
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx: what to fix, and for invalid input each problem as `place: message`."""
+
+    detail: str
+    errors: list[str] | None = None
+
+
+# Documented on every /api/v1 operation, so clients (and the OpenAPI schema) know the shape.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in (
+        (400, "A rule the input breaks (e.g. an unknown GPU model)"),
+        (401, "No or bad token"),
+        (403, "The token's role may not do this"),
+        (404, "No such object"),
+        (409, "Conflict: an illegal move, a duplicate, a concurrent change"),
+        (422, "Invalid input"),
+    )
+}
 access_log = logging.getLogger("fleet.access")
 
 
@@ -91,5 +113,5 @@ def create_app(
 
     app.include_router(health.router)
     for module in (inventory, sites, servers, deployments, events_routes):
-        app.include_router(module.router, prefix="/api/v1")
+        app.include_router(module.router, prefix="/api/v1", responses=ERROR_RESPONSES)
     return app

@@ -110,12 +110,16 @@ class Paging:
         return self.page(len(rows), rows[self.offset : self.offset + self.limit])
 
 
+# Far beyond any fleet, and within a 64-bit SQL integer on both backends.
+MAX_OFFSET = 1_000_000_000
+
+
 def paging(
     request: Request,
     limit: Annotated[
         int | None, Query(ge=1, description="page size (capped by the service)")
     ] = None,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> Paging:
     settings = get_settings(request)
     size = min(settings.default_page_size if limit is None else limit, settings.max_page_size)

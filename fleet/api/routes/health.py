@@ -20,7 +20,7 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: {"description": "Database unreachable or not migrated"}})
 def readyz(request: Request) -> JSONResponse:
     engine = request.app.state.engine
     checks: dict[str, Any] = {}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 from sqlmodel import Session
 
 from fleet.api.deps import BoxDep, Operator, SessionDep, Viewer, get_session
@@ -73,6 +73,12 @@ async def validate_file(
     return await run_in_threadpool(_import, session, body, box, user.actor, True)
 
 
-@router.get("/export", response_class=PlainTextResponse)
-def export_file(_: Viewer, session: SessionDep) -> PlainTextResponse:
-    return PlainTextResponse(dump_yaml(export_inventory(session)), media_type="application/yaml")
+YAML_OUT: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/yaml": {"schema": {"type": "string"}}}}
+}
+
+
+@router.get("/export", response_class=Response, responses=YAML_OUT)
+def export_file(_: Viewer, session: SessionDep) -> Response:
+    """The fleet as an inventory file (no BMC passwords)."""
+    return Response(dump_yaml(export_inventory(session)), media_type="application/yaml")
