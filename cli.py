@@ -650,17 +650,63 @@ def servers_power(
     Power-ons are staggered per rack (inrush current); every result is read back from the BMC.
     Exit code 1 if any server failed.
     """
-    select = {"site": site, "rack": rack, "pool": pool, "state": state, "gpu_model": gpu_model}
-    select = {k: v for k, v in select.items() if v is not None}
-    if bool(names) == bool(select):
-        raise CliError("name servers, or select them with --site/--rack/--pool/--state/--gpu-model")
-    body: dict[str, Any] = {"action": action}
-    body.update({"servers": names} if names else {"select": select})
+    filters = {"site": site, "rack": rack, "pool": pool, "state": state, "gpu_model": gpu_model}
+    body: dict[str, Any] = {"action": action, **_choose(names, filters)}
     with console.status(f"power {action}…", spinner="dots"):
         result = _api(url, token).request("POST", "/api/v1/power", json=body, timeout=None)
     _show(result["results"], output, POWER_COLUMNS)
     if result["failed"]:
         raise CliError(f"{result['failed']} of {result['count']} servers failed (see the table)")
+
+
+VERIFY_COLUMNS = [
+    ("server", "server"),
+    ("ok", "ok"),
+    ("power_state", "power"),
+    ("moved_to", "now"),
+    ("message", "message"),
+]
+
+
+def _choose(names: list[str] | None, filters: dict[str, str | None]) -> dict[str, Any]:
+    select = {k: v for k, v in filters.items() if v is not None}
+    if bool(names) == bool(select):
+        raise CliError("name servers, or select them with --site/--rack/--pool/--state/--gpu-model")
+    return {"servers": names} if names else {"select": select}
+
+
+@servers_app.command("verify")
+@handled
+def servers_verify(
+    names: Annotated[list[str] | None, typer.Argument(help="Servers (or use the filters).")] = None,
+    site: Annotated[str | None, typer.Option()] = None,
+    rack: Annotated[str | None, typer.Option()] = None,
+    pool: Annotated[str | None, typer.Option(help="baseline or warm")] = None,
+    gpu_model: Annotated[str | None, typer.Option("--gpu-model")] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Check enrolled servers' BMCs (all of them when none are named): warm-pool spares found
+    off become warm; baseline servers are powered on (booting). Exit code 1 if any server
+    could not be verified."""
+    body = _choose(
+        names,
+        {
+            "site": site,
+            "rack": rack,
+            "pool": pool,
+            "gpu_model": gpu_model,
+            "state": "enrolled" if not names else None,
+        },
+    )
+    with console.status("verifying BMCs…", spinner="dots"):
+        result = _api(url, token).request("POST", "/api/v1/verify", json=body, timeout=None)
+    _show(result["results"], output, VERIFY_COLUMNS)
+    if result["failed"]:
+        raise CliError(
+            f"{result['failed']} of {result['count']} servers not verified (see the table)"
+        )
 
 
 @servers_app.command("transition")

@@ -19,14 +19,16 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from fleet import lifecycle
 from fleet.bmc import BmcError, PowerDriver, driver_for
 from fleet.bmc.base import ActionResult, BmcTarget
 from fleet.bmc.bulk import Job, Outcome, Stagger, run_bulk
 from fleet.bmc.targets import target_for
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, NotFoundError
-from fleet.models import Event, PowerState, Rack, Server, utcnow
+from fleet.models import Event, Pool, PowerState, Rack, Server, utcnow
 from fleet.settings import Settings
+from fleet.states import ServerState
 
 Action = Literal["on", "off", "force_off", "cycle", "status"]
 ACTIONS: tuple[Action, ...] = ("on", "off", "force_off", "cycle", "status")
@@ -167,6 +169,24 @@ def _describe(action: Action, result: ActionResult | PowerState | None) -> str:
     return f"power status: {result.value if result else 'unknown'}"
 
 
+def _load(engine: Engine, names: Sequence[str]) -> dict[str, tuple[Server, str]]:
+    """The named servers with their rack names; every name must exist."""
+    with Session(engine) as session:
+        rows = list(
+            session.exec(
+                select(Server, Rack.name)
+                .select_from(Server)
+                .join(Rack, col(Rack.id) == Server.rack_id)
+                .where(col(Server.name).in_(list(names)))
+            )
+        )
+    found = {s.name: (s, rack) for s, rack in rows}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise NotFoundError(f"no server named {', '.join(repr(n) for n in missing)}")
+    return found
+
+
 def power(
     engine: Engine,
     box: SecretBox,
@@ -183,19 +203,7 @@ def power(
     if action not in ACTIONS:
         raise ValueError(f"unknown power action {action!r} (one of {', '.join(ACTIONS)})")
     names = list(dict.fromkeys(names))  # a server named twice is acted on once
-    with Session(engine) as session:
-        rows = list(
-            session.exec(
-                select(Server, Rack.name)
-                .select_from(Server)
-                .join(Rack, col(Rack.id) == Server.rack_id)
-                .where(col(Server.name).in_(list(names)))
-            )
-        )
-    found = {s.name: (s, rack) for s, rack in rows}
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise NotFoundError(f"no server named {', '.join(repr(n) for n in missing)}")
+    found = _load(engine, names)
     if stagger is None:
         # Only power-ons draw inrush current; reads and power-offs need no spacing.
         spaced = action in ("on", "cycle")
@@ -245,3 +253,95 @@ def power(
 
     run_bulk(jobs, stagger, on_done=collect)
     return [reports[n] for n in names]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verify: the first contact with a newly enrolled server's BMC
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    server: str
+    ok: bool
+    power_state: PowerState | None
+    moved_to: ServerState | None  # the lifecycle state it reached, if it moved
+    message: str  # what happened, or (not ok) one line naming the server, its BMC and the cause
+
+
+def _verify_one(
+    engine: Engine,
+    box: SecretBox,
+    settings: Settings,
+    server: Server,
+    actor: str,
+    drivers: Callable[[BmcTarget], PowerDriver],
+) -> VerifyReport:
+    """Enrolled → warm (pool warm, found off) or → booting (pool baseline, powered on).
+
+    A warm-pool server found on stays enrolled: a spare must be off, and powering off a
+    machine Fleet does not yet know is an operator's call, not ours.
+    """
+    if server.state != ServerState.ENROLLED:
+        return VerifyReport(server.name, True, None, None, f"already {server.state}: nothing to do")
+    with (
+        server_power_lock(engine, server, settings.bmc_workers),
+        drivers(target_for(server, box, settings)) as driver,
+    ):
+        if server.pool == Pool.BASELINE:
+            result: ActionResult | PowerState = driver.power_on()
+        else:
+            result = driver.power_state()
+    _record(
+        engine, server, "on" if isinstance(result, ActionResult) else "status", result, None, actor
+    )
+    state = result.state_after if isinstance(result, ActionResult) else result
+    if server.pool == Pool.BASELINE:
+        target, why = ServerState.BOOTING, "BMC verified; baseline server powered on"
+    elif state == PowerState.OFF:
+        target, why = ServerState.WARM, "BMC verified; the spare is off"
+    else:
+        return VerifyReport(
+            server.name,
+            False,
+            state,
+            None,
+            f"server {server.name}: the BMC reports it {state.value}; a warm spare must be off "
+            f"(power it off with `fleetctl servers power off {server.name}`, then verify again)",
+        )
+    with Session(engine) as session:
+        lifecycle.transition(session, server.name, target, actor, why)
+    return VerifyReport(server.name, True, state, target, why)
+
+
+def verify(
+    engine: Engine,
+    box: SecretBox,
+    settings: Settings,
+    names: Sequence[str],
+    actor: str,
+    *,
+    drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
+) -> list[VerifyReport]:
+    """Verify every named server's BMC and move the enrolled ones on; one report each."""
+    names = list(dict.fromkeys(names))
+    found = _load(engine, names)
+    stagger = Stagger(  # baseline servers are powered on: stagger like any power-on
+        workers=settings.bmc_workers,
+        per_rack=settings.power_on_per_rack,
+        rack_delay=settings.power_on_rack_delay_s,
+    )
+
+    def job(server: Server) -> Callable[[], VerifyReport]:
+        return lambda: _verify_one(engine, box, settings, server, actor, drivers)
+
+    outcomes = run_bulk([Job(n, found[n][1], job(found[n][0])) for n in names], stagger)
+    reports = []
+    for outcome in outcomes:
+        if outcome.value is not None:
+            reports.append(outcome.value)
+            continue
+        server = found[outcome.server][0]
+        if not isinstance(outcome.error, ServerBusy):
+            _record(engine, server, "status", None, outcome.error, actor)
+        reports.append(VerifyReport(outcome.server, False, None, None, str(outcome.error)))
+    return reports

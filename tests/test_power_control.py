@@ -7,7 +7,7 @@ import threading
 from typing import cast
 
 import pytest
-from factories import TEST_SECRET_KEY, add_rack, add_server, add_site
+from factories import TEST_SECRET_KEY, add_rack, add_server, add_site, walk_to
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -15,9 +15,10 @@ from fleet.bmc.base import ActionResult, BmcInfo, BmcTarget, BmcUnreachable, Pow
 from fleet.bmc.bulk import Stagger
 from fleet.crypto import SecretBox
 from fleet.errors import NotFoundError
-from fleet.models import BmcProtocol, Event, PowerState, Server
-from fleet.power_control import Action, PowerReport, power, server_power_lock
+from fleet.models import BmcProtocol, Event, Pool, PowerState, Server
+from fleet.power_control import Action, PowerReport, power, server_power_lock, verify
 from fleet.settings import Settings
+from fleet.states import ServerState
 
 ON, OFF = PowerState.ON, PowerState.OFF
 
@@ -169,3 +170,50 @@ def test_a_server_named_twice_is_acted_on_once(
     assert [r.server for r in reports] == [fleet[0], fleet[1]]
     assert all(r.ok and r.sent for r in reports)
     assert sorted(FakeBmc.calls) == [(fleet[0], "on"), (fleet[1], "on")]
+
+
+def test_verify_moves_enrolled_servers_by_pool_and_power(
+    db: Engine, session: Session, fleet: list[str]
+) -> None:
+    """warm pool + off → warm; warm pool + on → stays enrolled (a spare must be off);
+    baseline → powered on, booting; unreachable → stays enrolled; not enrolled → untouched."""
+    spare_off, spare_on, baseline, dead, already = fleet[:5]
+    rows = {s.name: s for s in session.exec(select(Server))}
+    patch_pool(db, baseline, "baseline")
+    FakeBmc.state[spare_on] = ON
+    FakeBmc.unreachable = {dead}
+    walk_to(session, rows[already], ServerState.MAINTENANCE)
+
+    reports = {
+        r.server: r
+        for r in verify(
+            db,
+            SecretBox(TEST_SECRET_KEY),
+            Settings(power_on_rack_delay_s=0),
+            [spare_off, spare_on, baseline, dead, already],
+            "operator:test",
+            drivers=FakeBmc,
+        )
+    }
+    assert reports[spare_off].ok and reports[spare_off].moved_to is ServerState.WARM
+    assert not reports[spare_on].ok and "must be off" in reports[spare_on].message
+    assert reports[baseline].ok and reports[baseline].moved_to is ServerState.BOOTING
+    assert (baseline, "on") in FakeBmc.calls and (spare_off, "on") not in FakeBmc.calls
+    assert not reports[dead].ok and "connection refused" in reports[dead].message
+    assert reports[already].ok and reports[already].moved_to is None
+
+    session.expire_all()
+    states = {s.name: s.state for s in session.exec(select(Server))}
+    assert states[spare_off] == "warm" and states[baseline] == "booting"
+    assert states[spare_on] == "enrolled" and states[dead] == "enrolled"
+    assert states[already] == "maintenance"
+    moves = [(e.subject, e.to_state) for e in events(session, "server.transition")]
+    assert (spare_off, "warm") in moves and (baseline, "booting") in moves
+
+
+def patch_pool(db: Engine, name: str, pool: str) -> None:
+    with Session(db) as s:
+        row = s.exec(select(Server).where(Server.name == name)).one()
+        row.pool = Pool(pool)
+        s.add(row)
+        s.commit()

@@ -316,6 +316,7 @@ def test_bmc_passwords_never_leak(
         transition = f"{API}/servers/{{name}}/transition"
         validate = f"{API}/inventory/validate"
         power_one, power_many = f"{API}/servers/{{name}}/power", f"{API}/power"
+        verify = f"{API}/verify"
         for expected in (
             ("admin", "POST", transition, 200),
             ("operator", "POST", transition, 200),
@@ -325,7 +326,7 @@ def test_bmc_passwords_never_leak(
             ("viewer", "POST", validate, 403),
             *(
                 (who, "POST", route, status)
-                for route in (power_one, power_many)
+                for route in (power_one, power_many, verify)
                 for who, status in (
                     ("admin", 200),
                     ("operator", 200),
@@ -422,6 +423,8 @@ def _valid_request(method: str, template: str, pw: Passwords) -> tuple[dict[str,
         return {"json": {"action": "status"}}, None
     if template == f"{API}/power":
         return {"json": {"action": "on", "servers": list(SERVERS)}}, None
+    if template == f"{API}/verify":
+        return {"json": {"servers": list(SERVERS)}}, None
     if template == f"{API}/deployments" and method == "POST":
         body = {
             "name": f"sweep-{secrets.token_hex(3)}",
@@ -506,6 +509,12 @@ def _run_every_command(
     s1, s2, s3, _ = SERVERS
     # Power first, so that the listings and events below show what it recorded. Two servers
     # fail (a refused login, a BMC that never answers): exit 1, every result shown.
+    verified = cmd(("servers", "verify"), *SERVERS, "-o", "json", code=1)
+    checked = {r["server"]: r for r in json.loads(verified.stdout)}
+    # The route sweep already moved the first server (maintenance) and powered the IPMI one on.
+    assert [checked[name]["ok"] for name in SERVERS] == [True, False, False, False], checked
+    assert "already maintenance" in checked[s1]["message"]
+    assert "a warm spare must be off" in checked[s3]["message"]
     status = cmd(("servers", "power"), "status", *SERVERS, "-o", "json", code=1)
     results = {r["server"]: r for r in json.loads(status.stdout)}
     assert [results[name]["ok"] for name in SERVERS] == [True, False, True, False], results

@@ -6,10 +6,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sqlmodel import Session
 
 from fleet.api.deps import BoxDep, Operator, SessionDep, get_settings
 from fleet.models import Pool
-from fleet.power_control import Action, PowerReport, power
+from fleet.power_control import Action, PowerReport, power, verify
 from fleet.servers import ServerFilter, list_servers
 from fleet.settings import Settings
 from fleet.states import ServerState
@@ -33,15 +34,27 @@ class SelectServers(BaseModel):
     gpu_model: str | None = None
 
 
-class BulkPowerRequest(PowerRequest):
+class ChooseServers(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     servers: list[str] | None = Field(default=None, min_length=1, max_length=MAX_BULK)
     select: SelectServers | None = None
 
     @model_validator(mode="after")
-    def _one_way_to_choose(self) -> BulkPowerRequest:
+    def _one_way_to_choose(self) -> ChooseServers:
         if (self.servers is None) == (self.select is None):
             raise ValueError("give either servers (names) or select (a filter), not both")
         return self
+
+    def names(self, session: Session) -> list[str]:
+        if self.servers is not None:
+            return self.servers
+        assert self.select is not None
+        _, rows = list_servers(session, ServerFilter(**self.select.model_dump()), MAX_BULK, 0)
+        return [row.name for row in rows]
+
+
+class BulkPowerRequest(ChooseServers):
+    action: Action
 
 
 def _report(r: PowerReport) -> dict[str, Any]:
@@ -83,16 +96,40 @@ def power_many(
     settings: SettingsDep,
 ) -> dict[str, Any]:
     """Many servers at once: bounded concurrency, power-ons staggered per rack."""
-    names = request.servers
-    if names is None:
-        assert request.select is not None
-        where = ServerFilter(**request.select.model_dump())
-        _, rows = list_servers(session, where, MAX_BULK, 0)
-        names = [row.name for row in rows]
+    names = request.names(session)
     session.close()  # the bulk action opens its own sessions per server
     reports = power(session.get_bind(), box, settings, names, request.action, user.actor)  # type: ignore[arg-type]
     return {
         "count": len(reports),
         "failed": sum(not r.ok for r in reports),
         "results": [_report(r) for r in reports],
+    }
+
+
+@router.post("/verify")
+def verify_servers(
+    request: ChooseServers,
+    user: Operator,
+    session: SessionDep,
+    box: BoxDep,
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    """First contact with enrolled servers' BMCs: warm-pool servers found off become `warm`;
+    baseline servers are powered on and become `booting`. Others are left as they are."""
+    names = request.names(session)
+    session.close()
+    reports = verify(session.get_bind(), box, settings, names, user.actor)  # type: ignore[arg-type]
+    return {
+        "count": len(reports),
+        "failed": sum(not r.ok for r in reports),
+        "results": [
+            {
+                "server": r.server,
+                "ok": r.ok,
+                "power_state": r.power_state,
+                "moved_to": r.moved_to,
+                "message": r.message,
+            }
+            for r in reports
+        ],
     }
