@@ -520,3 +520,24 @@ def test_error_mapping(
         driver.power_state()
     assert type(caught.value) is expected
     assert_one_line_naming(caught.value, target)
+
+
+def test_pyghmi_login_race_is_retried_once_and_the_real_cause_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pyghmi 1.6 sometimes fails a bad login with AttributeError ('errormsg', its own bug):
+    the driver logs in once more and reports what the BMC really said."""
+    attempts: list[int] = []
+
+    def flaky_login(**_: Any) -> Any:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise AttributeError("'Session' object has no attribute 'errormsg'")
+        raise pyghmi_exc.IpmiException("Incorrect password provided")
+
+    monkeypatch.setattr(pyghmi_command, "Command", flaky_login)
+    target = down_target("gpu-race")
+    with pytest.raises(BmcAuthFailed) as caught, IpmiDriver(target) as driver:
+        driver.power_state()
+    assert len(attempts) == 2
+    assert_one_line_naming(caught.value, target)

@@ -392,18 +392,30 @@ class IpmiDriver(PowerDriver):
             # Credentials as bytes: pyghmi (1.6) keys its session cache with the values given
             # but stores them encoded, so with str a second Command for the same BMC finds a
             # stale "logging in" entry and waits on it forever.
-            cmd = pyghmi_command.Command(
-                bmc=self.target.address,
-                userid=self.target.username.encode("utf-8"),
-                password=self.target.password.encode("utf-8"),
-                port=self.target.port,
-            )
+            cmd = self._login()
             _acquire_session(cmd.ipmi_session)
         with self._lock:
             if generation == self._generation and self._cmd is None:
                 self._cmd = cmd
                 return cmd, True
         return cmd, False
+
+    def _login(self) -> Any:
+        for attempt in range(2):
+            try:
+                return pyghmi_command.Command(
+                    bmc=self.target.address,
+                    userid=self.target.username.encode("utf-8"),
+                    password=self.target.password.encode("utf-8"),
+                    port=self.target.port,
+                )
+            except AttributeError as exc:
+                # pyghmi 1.6 can mark a failing login broken before it stores the reason, then
+                # trip over its own missing `errormsg`. A login sends no power command, so
+                # logging in once more is safe, and tells the real cause.
+                if "errormsg" not in str(exc) or attempt == 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _drop(self, generation: int) -> None:
         """Forget the session after a timeout or a broken connection: the next call reconnects."""
