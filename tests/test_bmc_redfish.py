@@ -337,7 +337,7 @@ def test_bmc_that_never_answers_times_out(stalled: StalledBmc) -> None:
     with RedfishDriver(t) as d, pytest.raises(BmcUnreachable) as err:
         d.power_on()
     elapsed = time.monotonic() - started
-    assert t.timeouts.call * 0.9 <= elapsed < t.timeouts.call + 1.5
+    assert t.timeouts.call * 0.9 <= elapsed < t.timeouts.call + 2.5
     assert "no answer" in str(err.value)
     assert_one_line(err.value, t)
     assert len(stalled.connections) == 1  # the library did not retry
@@ -570,7 +570,7 @@ def test_retries_stop_at_the_total_time(fake_bmc: Callable[..., tuple[FakeRedfis
     started = time.monotonic()
     with RedfishDriver(t) as d, pytest.raises(BmcTransient):
         d.power_state()
-    assert time.monotonic() - started < t.timeouts.total + 1.0
+    assert time.monotonic() - started < t.timeouts.total + 2.5
     assert 1 <= fake.count("GET", SYSTEM) < 50
 
 
@@ -689,7 +689,7 @@ def test_a_reset_without_answer_is_not_resent(
     started = time.monotonic()
     with RedfishDriver(t) as d, pytest.raises(BmcUnreachable) as err:
         d.power_on()
-    assert time.monotonic() - started < t.timeouts.call + 1.5
+    assert time.monotonic() - started < t.timeouts.call + 2.5
     assert "may still be applied" in str(err.value)
     assert_one_line(err.value, t)
     fake.release.set()

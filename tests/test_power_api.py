@@ -54,7 +54,7 @@ USER = "admin"
 RF_PASSWORD = "rf-s3cret-pw"
 IPMI_PASSWORD = "Sim-pass.42"  # ipmi_sim takes at most 19 characters
 CALL_S, TOTAL_S = 2.0, 4.0
-MARGIN_S = 1.5  # allowed past the configured total timeout (scheduling, the DB write)
+MARGIN_S = 2.5  # allowed past the configured total timeout (scheduling, the DB write, a busy CI)
 SETTLE_S = 15.0  # sushy applies a Reset 1-11 s late
 SETTINGS: dict[str, Any] = {
     "bmc_call_timeout_s": CALL_S,
@@ -836,7 +836,8 @@ def test_stalled_bmcs_beyond_the_database_pool_are_waited_on_at_once(lab: Lab, p
     for i, report in enumerate(reports.values()):
         assert_failed(report, rf_where(stalled.port, str(i)), f"within {CALL_S:g} s")
     slowest = max(r["seconds"] for r in reports.values())
-    assert slowest <= CALL_S + MARGIN_S, sorted(r["seconds"] for r in reports.values())
+    # Below 2 × CALL_S: none waited for another's timeout (a pool of 15 made it 2 × CALL_S).
+    assert slowest < 2 * CALL_S, sorted(r["seconds"] for r in reports.values())
 
 
 def test_redfish_503_is_retried_then_fails_leaving_the_last_observation(lab: Lab) -> None:
