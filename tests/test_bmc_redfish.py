@@ -14,7 +14,6 @@ import datetime as dt
 import ipaddress
 import json
 import os
-import socket
 import threading
 import time
 import uuid
@@ -30,6 +29,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from fake_bmcs import StalledBmc
 
 from fleet.bmc import driver_for
 from fleet.bmc.base import (
@@ -292,36 +292,6 @@ def test_bmc_down_is_unreachable_within_the_call_timeout() -> None:
     assert time.monotonic() - started < t.timeouts.call
     assert "connection refused" in str(err.value)
     assert_one_line(err.value, t)
-
-
-class StalledBmc:
-    """Accepts TCP connections and never answers (a hung BMC web server)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
-        self.sock.settimeout(0.1)
-        self.port: int = self.sock.getsockname()[1]
-        self.connections: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="stalled-bmc", daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.connections.append(conn)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        for conn in self.connections:
-            conn.close()
-        self.sock.close()
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from fake_bmcs import StalledBmc
 from live import YAML, Live, closed_port, serve
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner, Result
@@ -164,36 +165,6 @@ def sushy() -> Iterator[Sushy]:
     with SushyEmulator(off + on, username=USER, password=RF_PASSWORD) as emulator:
         yield Sushy(emulator, {"Off": list(off), "On": list(on)})
     assert not emulator.running()
-
-
-class StalledBmc:
-    """Accepts TCP connections and never answers (a hung BMC web server)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
-        self.sock.settimeout(0.1)
-        self.port: int = self.sock.getsockname()[1]
-        self.connections: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="stalled-bmc", daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.connections.append(conn)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        for conn in self.connections:
-            conn.close()
-        self.sock.close()
 
 
 @dataclass
