@@ -620,6 +620,95 @@ def servers_show(
     _show(_api(url, token).get(f"/api/v1/servers/{name}"), output)
 
 
+POWER_COLUMNS = [
+    ("server", "server"),
+    ("ok", "ok"),
+    ("sent", "sent"),
+    ("state_before", "before"),
+    ("state_after", "after"),
+    ("seconds", "seconds"),
+    ("error", "error"),
+]
+
+
+@servers_app.command("power")
+@handled
+def servers_power(
+    action: Annotated[str, typer.Argument(help="on, off, force_off, cycle or status")],
+    names: Annotated[list[str] | None, typer.Argument(help="Servers (or use the filters).")] = None,
+    site: Annotated[str | None, typer.Option()] = None,
+    rack: Annotated[str | None, typer.Option()] = None,
+    pool: Annotated[str | None, typer.Option(help="baseline or warm")] = None,
+    state: Annotated[str | None, typer.Option()] = None,
+    gpu_model: Annotated[str | None, typer.Option("--gpu-model")] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Power servers on/off/cycle through their BMCs, or read their power state.
+
+    Power-ons are staggered per rack (inrush current); every result is read back from the BMC.
+    Exit code 1 if any server failed.
+    """
+    filters = {"site": site, "rack": rack, "pool": pool, "state": state, "gpu_model": gpu_model}
+    body: dict[str, Any] = {"action": action, **_choose(names, filters)}
+    with console.status(f"power {action}…", spinner="dots"):
+        result = _api(url, token).request("POST", "/api/v1/power", json=body, timeout=None)
+    _show(result["results"], output, POWER_COLUMNS)
+    if result["failed"]:
+        raise CliError(f"{result['failed']} of {result['count']} servers failed (see the table)")
+
+
+VERIFY_COLUMNS = [
+    ("server", "server"),
+    ("ok", "ok"),
+    ("power_state", "power"),
+    ("moved_to", "now"),
+    ("message", "message"),
+]
+
+
+def _choose(names: list[str] | None, filters: dict[str, str | None]) -> dict[str, Any]:
+    select = {k: v for k, v in filters.items() if v is not None}
+    if bool(names) == bool(select):
+        raise CliError("name servers, or select them with --site/--rack/--pool/--state/--gpu-model")
+    return {"servers": names} if names else {"select": select}
+
+
+@servers_app.command("verify")
+@handled
+def servers_verify(
+    names: Annotated[list[str] | None, typer.Argument(help="Servers (or use the filters).")] = None,
+    site: Annotated[str | None, typer.Option()] = None,
+    rack: Annotated[str | None, typer.Option()] = None,
+    pool: Annotated[str | None, typer.Option(help="baseline or warm")] = None,
+    gpu_model: Annotated[str | None, typer.Option("--gpu-model")] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Check enrolled servers' BMCs (all of them when none are named): warm-pool spares found
+    off become warm; baseline servers are powered on (booting). Exit code 1 if any server
+    could not be verified."""
+    body = _choose(
+        names,
+        {
+            "site": site,
+            "rack": rack,
+            "pool": pool,
+            "gpu_model": gpu_model,
+            "state": "enrolled" if not names else None,
+        },
+    )
+    with console.status("verifying BMCs…", spinner="dots"):
+        result = _api(url, token).request("POST", "/api/v1/verify", json=body, timeout=None)
+    _show(result["results"], output, VERIFY_COLUMNS)
+    if result["failed"]:
+        raise CliError(
+            f"{result['failed']} of {result['count']} servers not verified (see the table)"
+        )
+
+
 @servers_app.command("transition")
 @handled
 def servers_transition(

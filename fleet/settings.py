@@ -48,6 +48,19 @@ class Settings(BaseSettings):
     listen_host: str = "127.0.0.1"
     listen_port: int = Field(default=8080, ge=1, le=65535)
     log_level: str = "INFO"
+    # BMC calls: one request is bounded by the call timeout; transient failures (5xx, busy)
+    # are retried with jittered backoff up to `bmc_attempts` in all, never past the total.
+    bmc_call_timeout_s: float = Field(default=10.0, gt=0)
+    bmc_total_timeout_s: float = Field(default=30.0, gt=0)
+    bmc_attempts: int = Field(default=3, ge=1, le=10)
+    bmc_backoff_s: float = Field(default=0.5, ge=0)
+    # Bulk power actions: BMCs called at once, and the inrush stagger of power-ons per rack.
+    bmc_workers: int = Field(default=32, ge=1, le=512)
+    power_on_per_rack: int = Field(default=2, ge=1)
+    power_on_rack_delay_s: float = Field(default=2.0, ge=0)
+    # Redfish TLS: verified by default (optionally against a CA bundle); off only when asked.
+    bmc_verify_tls: bool = True
+    bmc_ca_bundle: Path | None = None
     # Paging of list endpoints: a client may ask for up to `max_page_size` rows.
     default_page_size: int = Field(default=100, ge=1)
     max_page_size: int = Field(default=1000, ge=1)

@@ -6,15 +6,25 @@ included), call every route of the app as every kind of caller and run every fle
 against the live service. No password may appear in any HTTP response, CLI output, log record,
 stdout/stderr, or the database dump; the dump must hold each server's ciphertext, and that
 ciphertext must decrypt to the server's current password.
+
+The power routes and `fleetctl servers power` talk to real BMC peers, so the BMC libraries'
+own DEBUG logging (redfish, requests/urllib3; pyghmi prints, if anything) is searched too: a
+sushy-tools Redfish emulator serving both Redfish servers but knowing only the first one's
+password (the second fails authentication), an ipmi_sim knowing the third server's password,
+and, for the fourth, a UDP port nothing listens on (unreachable).
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import secrets
 import sqlite3
 import subprocess
+import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,28 +50,45 @@ from typer.testing import CliRunner
 
 import cli
 from fleet.crypto import SecretBox
+from fleet.lab.ipmi_sim import IpmiSim, free_udp_port
+from fleet.lab.sushy import FakeSystem, SushyEmulator
 from fleet.models import Role
 
 SITE, RACK = "sec1", "sec1-r01"
 SERVERS = ("sec1-r01-h100-01", "sec1-r01-h100-02", "sec1-r01-l40s-01", "sec1-r01-l40s-02")
+# Redfish (the emulator knows its password), Redfish (it does not), IPMI (ipmi_sim knows it),
+# IPMI (nothing listens).
+REDFISH_OK, REDFISH_BAD_AUTH, IPMI_OK, IPMI_DOWN = SERVERS
+BMC_USER = "admin"
 DEPLOYMENT = "sec-llama"
 API = "/api/v1"
 # The operator move the route sweep makes (enrolled → maintenance is allowed).
 SWEEP_MOVE = "maintenance"
+# The BMC libraries' loggers, beyond those tests/live.py's debug_logging sets: fleet.bmc.redfish
+# keeps "redfish" at INFO unless a level is set for it, so it is set here, as an operator
+# chasing a BMC problem would.
+BMC_LIBRARY_LOGGERS = ("redfish", "urllib3", "requests", "pyghmi")
 # Commands that never reach the service or the database need nothing but a run.
 NOT_EXERCISED: frozenset[tuple[str, ...]] = frozenset()
 
 
 def new_password() -> str:
-    return f"bmcpw-{secrets.token_hex(12)}"
+    # 18 characters: ipmi_sim holds at most 19 of [A-Za-z0-9._~+=@%^,:/-].
+    return f"pw{secrets.token_hex(8)}"
 
 
 class Passwords:
-    """Each server's current BMC password, and every password this test ever sent."""
+    """Each server's current BMC password, and every password this test ever sent; what the
+    emulated BMCs hold, and where each server's BMC is (`endpoints`, set once they run)."""
 
     def __init__(self) -> None:
         self.current = {name: new_password() for name in SERVERS}
-        self.every = set(self.current.values())
+        # The servers are rotated to these before any power call (REDFISH_OK by the sweep's
+        # PATCH, IPMI_OK by the first re-import): the BMCs' own passwords.
+        self.bmc = {REDFISH_OK: new_password(), IPMI_OK: new_password()}
+        self.every = {*self.current.values(), *self.bmc.values()}
+        self.system_ids = {REDFISH_OK: str(uuid.uuid4()), REDFISH_BAD_AUTH: str(uuid.uuid4())}
+        self.endpoints: dict[str, dict[str, Any]] = {}
 
     def spare(self) -> str:
         """A new password, searched for like the others but given to no server (yet)."""
@@ -69,15 +96,25 @@ class Passwords:
         self.every.add(password)
         return password
 
-    def rotate(self, name: str) -> str:
-        self.current[name] = self.spare()
+    def rotate(self, name: str, to: str | None = None) -> str:
+        self.current[name] = to or self.spare()
+        self.every.add(self.current[name])
         return self.current[name]
 
     def inventory_yaml(self) -> bytes:
-        return yaml.safe_dump(inventory(self.current), sort_keys=False).encode()
+        assert self.endpoints, "the BMC emulators are not running"
+        return yaml.safe_dump(inventory(self.current, self.endpoints), sort_keys=False).encode()
+
+    def needles(self) -> dict[str, str]:
+        """What to search for: each password, and each as a Basic auth credential."""
+        found = {p: p for p in self.every}
+        for p in self.every:
+            basic = base64.b64encode(f"{BMC_USER}:{p}".encode()).decode()
+            found[basic] = f"{p} (as Basic {basic})"
+        return found
 
 
-def inventory(passwords: dict[str, str]) -> dict[str, Any]:
+def inventory(passwords: dict[str, str], endpoints: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One rack of four servers (two Redfish behind one BMC endpoint, two IPMI; the last one
     listed at the top level and placed by rack name), and one deployment."""
     dgx = {"idle_w": 1900, "standby_w": 90, "max_w": 10200}
@@ -92,10 +129,9 @@ def inventory(passwords: dict[str, str]) -> dict[str, Any]:
             "pool": "warm",
             "gpu": {"model": gpu, "count": count},
             "power": dict(dgx if gpu == "H100" else l40s),  # a copy: no YAML aliases
-            "bmc": {**bmc, "username": "admin", "password": passwords[name]},
+            "bmc": {**bmc, "username": BMC_USER, "password": passwords[name]},
         }
 
-    redfish = {"protocol": "redfish", "address": "127.0.0.1", "port": 8000}
     s1, s2, s3, s4 = SERVERS
     return {
         "sites": [
@@ -109,28 +145,16 @@ def inventory(passwords: dict[str, str]) -> dict[str, Any]:
                             {"name": "b1", "side": "B", "volts": 415, "amps": 32, "phase": "three"},
                         ],
                         "servers": [
-                            server(s1, 1, 8, "H100", 8, {**redfish, "system_id": "sys-1"}),
-                            server(s2, 9, 8, "H100", 8, {**redfish, "system_id": "sys-2"}),
-                            server(
-                                s3,
-                                17,
-                                2,
-                                "L40S",
-                                4,
-                                {"protocol": "ipmi", "address": "127.0.0.1", "port": 9001},
-                            ),
+                            server(s1, 1, 8, "H100", 8, endpoints[s1]),
+                            server(s2, 9, 8, "H100", 8, endpoints[s2]),
+                            server(s3, 17, 2, "L40S", 4, endpoints[s3]),
                         ],
                     }
                 ],
             }
         ],
         "servers": [
-            {
-                **server(
-                    s4, 19, 2, "L40S", 4, {"protocol": "ipmi", "address": "127.0.0.1", "port": 9002}
-                ),
-                "rack": RACK,
-            }
+            {**server(s4, 19, 2, "L40S", 4, endpoints[s4]), "rack": RACK},
         ],
         "deployments": [
             {
@@ -146,8 +170,49 @@ def inventory(passwords: dict[str, str]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def live(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    with serve(engine, tmp_path_factory.mktemp("secrets")) as server:
+    # Short BMC timeouts: the unreachable IPMI server fails in seconds; no power-on stagger.
+    with serve(
+        engine,
+        tmp_path_factory.mktemp("secrets"),
+        bmc_call_timeout_s=2.0,
+        bmc_total_timeout_s=4.0,
+        power_on_rack_delay_s=0.0,
+    ) as server:
         yield server
+
+
+@pytest.fixture
+def passwords() -> Passwords:
+    return Passwords()
+
+
+@pytest.fixture
+def redfish_bmc(passwords: Passwords) -> Iterator[SushyEmulator]:
+    """Both Redfish servers' systems, behind one account: REDFISH_OK's user and password."""
+    ids = passwords.system_ids
+    systems = [FakeSystem(uuid=ids[name], name=name) for name in (REDFISH_OK, REDFISH_BAD_AUTH)]
+    with SushyEmulator(systems, username=BMC_USER, password=passwords.bmc[REDFISH_OK]) as bmc:
+        yield bmc
+
+
+@pytest.fixture
+def ipmi_bmc(passwords: Passwords) -> Iterator[IpmiSim]:
+    with IpmiSim(passwords.bmc[IPMI_OK], username=BMC_USER) as sim:
+        yield sim
+
+
+@pytest.fixture
+def pw(passwords: Passwords, redfish_bmc: SushyEmulator, ipmi_bmc: IpmiSim) -> Passwords:
+    """`passwords`, with every server's BMC endpoint (no credentials) filled in."""
+    ids = passwords.system_ids
+    redfish = {"protocol": "redfish", "address": "http://127.0.0.1", "port": redfish_bmc.port}
+    passwords.endpoints = {
+        REDFISH_OK: {**redfish, "system_id": ids[REDFISH_OK]},
+        REDFISH_BAD_AUTH: {**redfish, "system_id": ids[REDFISH_BAD_AUTH]},
+        IPMI_OK: {"protocol": "ipmi", "address": "127.0.0.1", "port": ipmi_bmc.port},
+        IPMI_DOWN: {"protocol": "ipmi", "address": "127.0.0.1", "port": free_udp_port()},
+    }
+    return passwords
 
 
 @pytest.fixture
@@ -181,16 +246,18 @@ class Evidence:
 def test_bmc_passwords_never_leak(
     live: Live,
     db: Engine,
+    pw: Passwords,
+    redfish_bmc: SushyEmulator,
+    ipmi_bmc: IpmiSim,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capfd: pytest.CaptureFixture[str],
     fleet_env: None,
 ) -> None:
-    pw = Passwords()
     evidence = Evidence()
     names = {"servers": SERVERS[0], "racks": RACK, "sites": SITE, "deployments": DEPLOYMENT}
 
-    with debug_logging() as logs:
+    with debug_logging() as logs, _bmc_libraries_at_debug():
         admin_token = live.token(Role.ADMIN, name="admin")
         clients = {
             "admin": live.client(admin_token),
@@ -213,7 +280,7 @@ def test_bmc_passwords_never_leak(
         patch = {"bmc_password": pw.rotate(SERVERS[0])}
         response = send("operator", "PATCH", f"{API}/servers/{{name}}", json=patch)
         assert response.status_code == 200 and response.json()["bmc_password_set"] is True
-        pw.rotate(SERVERS[2])
+        pw.rotate(IPMI_OK, to=pw.bmc[IPMI_OK])
         for dry_run in ("true", "false"):
             response = send(
                 "operator",
@@ -245,8 +312,11 @@ def test_bmc_passwords_never_leak(
         assert ("admin", "PATCH", f"{API}/servers/{{name}}", 200) in evidence.statuses
         # The sweep made real calls, not only refused ones: an operator move was accepted (the
         # admin's moved the server, the operator's repeated it) and the operator validated.
+        # The power routes answer 200 with one result per server, failed BMCs included.
         transition = f"{API}/servers/{{name}}/transition"
         validate = f"{API}/inventory/validate"
+        power_one, power_many = f"{API}/servers/{{name}}/power", f"{API}/power"
+        verify = f"{API}/verify"
         for expected in (
             ("admin", "POST", transition, 200),
             ("operator", "POST", transition, 200),
@@ -254,6 +324,18 @@ def test_bmc_passwords_never_leak(
             ("operator", "POST", validate, 200),
             ("admin", "POST", validate, 200),
             ("viewer", "POST", validate, 403),
+            *(
+                (who, "POST", route, status)
+                for route in (power_one, power_many, verify)
+                for who, status in (
+                    ("admin", 200),
+                    ("operator", 200),
+                    ("viewer", 403),
+                    ("agent", 403),
+                    ("anonymous", 401),
+                    ("bad-token", 401),
+                )
+            ),
         ):
             assert expected in evidence.statuses, expected
         moved = clients["admin"].get(f"{API}/servers/{SERVERS[0]}")
@@ -269,19 +351,37 @@ def test_bmc_passwords_never_leak(
     out, err = capfd.readouterr()
     evidence.output("captured stdout/stderr", out + err)
 
-    # The capture saw the service's thread, SQL at DEBUG, the HTTP client and our access log.
-    for logger in ("fleet.access", "uvicorn.access", "sqlalchemy.engine.Engine", "httpx"):
+    # The capture saw the service's thread, SQL at DEBUG, the HTTP client and our access log,
+    # and the BMC calls: the Redfish library's requests and responses at DEBUG, urllib3 under it.
+    for logger in (
+        "fleet.access",
+        "uvicorn.access",
+        "sqlalchemy.engine.Engine",
+        "httpx",
+        "redfish.rest.v1",
+        "urllib3.connectionpool",
+    ):
         assert logger in logs.loggers, sorted(logs.loggers)
     assert any("PATCH /api/v1/servers/" in line for line in logs.lines)
+    assert any(line.startswith("DEBUG") and "HTTP REQUEST (GET)" in line for line in logs.lines)
     assert len(pw.every) >= len(SERVERS) + 5  # rotated through the API, files and the CLI
+    # The BMCs saw real calls: a Reset for the Redfish server, a refused login for the other,
+    # a power-on and a cycle on the IPMI one.
+    assert redfish_bmc.resets(pw.system_ids[REDFISH_OK]), redfish_bmc.requests()
+    assert any(r.status == 401 for r in redfish_bmc.requests())
+    assert not redfish_bmc.resets(pw.system_ids[REDFISH_BAD_AUTH])
+    assert "set power 1" in ipmi_bmc.log_calls() and "set power 0" in ipmi_bmc.log_calls()
 
     searched = [*evidence.texts, *(("log", line) for line in logs.lines)]
-    leaks = [f"{where}: {p}" for where, text in searched for p in pw.every if p in text]
+    needles = pw.needles()
+    leaks = [
+        f"{where}: {what}" for where, text in searched for n, what in needles.items() if n in text
+    ]
     assert leaks == [], "BMC password leaked:\n" + "\n".join(leaks[:20])
 
     # The dump: ciphertext only, and the ciphertext is the current password.
     dump = _dump(db)
-    assert not [p for p in pw.every if p in dump], "a BMC password is in the database dump"
+    assert not [n for n in needles if n in dump], "a BMC password is in the database dump"
     box = SecretBox(TEST_SECRET_KEY)
     with db.connect() as conn:
         rows = conn.execute(sa.text("SELECT name, bmc_password_encrypted FROM server")).all()
@@ -292,6 +392,21 @@ def test_bmc_passwords_never_leak(
         assert box.decrypt(ciphertext) == pw.current[name], name
 
 
+@contextmanager
+def _bmc_libraries_at_debug() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in BMC_LIBRARY_LOGGERS]
+    saved = [(logger.level, logger.disabled) for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.DEBUG)
+        logger.disabled = False
+    try:
+        yield
+    finally:
+        for logger, (level, disabled) in zip(loggers, saved, strict=True):
+            logger.setLevel(level)
+            logger.disabled = disabled
+
+
 def _valid_request(method: str, template: str, pw: Passwords) -> tuple[dict[str, Any], str | None]:
     """A request that succeeds for a caller allowed to make it, and the password it sets."""
     if template.startswith(f"{API}/inventory/") and method == "POST":
@@ -299,10 +414,17 @@ def _valid_request(method: str, template: str, pw: Passwords) -> tuple[dict[str,
     if method == "GET":
         return {}, None
     if template == f"{API}/servers/{{name}}" and method == "PATCH":
-        password = pw.spare()
+        # The BMC's own password: the sweep's power calls (POST sorts after PATCH) log in.
+        password = pw.bmc[REDFISH_OK]
         return {"json": {"bmc_password": password, "pool": "baseline"}}, password
     if template.endswith("/transition"):
         return {"json": {"to": SWEEP_MOVE, "reason": "sweep"}}, None
+    if template == f"{API}/servers/{{name}}/power":
+        return {"json": {"action": "status"}}, None
+    if template == f"{API}/power":
+        return {"json": {"action": "on", "servers": list(SERVERS)}}, None
+    if template == f"{API}/verify":
+        return {"json": {"servers": list(SERVERS)}}, None
     if template == f"{API}/deployments" and method == "POST":
         body = {
             "name": f"sweep-{secrets.token_hex(3)}",
@@ -336,6 +458,9 @@ def _junk_request(template: str, pw: Passwords) -> dict[str, Any]:
         "max_replicas": b,
         "model_uri": "",
         "pool": b,
+        "action": a,
+        "servers": [a, b],
+        "select": {"rack": b},
     }
     return {"json": body}
 
@@ -382,6 +507,21 @@ def _run_every_command(
         return path
 
     s1, s2, s3, _ = SERVERS
+    # Power first, so that the listings and events below show what it recorded. Two servers
+    # fail (a refused login, a BMC that never answers): exit 1, every result shown.
+    verified = cmd(("servers", "verify"), *SERVERS, "-o", "json", code=1)
+    checked = {r["server"]: r for r in json.loads(verified.stdout)}
+    # The route sweep already moved the first server (maintenance) and powered the IPMI one on.
+    assert [checked[name]["ok"] for name in SERVERS] == [True, False, False, False], checked
+    assert "already maintenance" in checked[s1]["message"]
+    assert "a warm spare must be off" in checked[s3]["message"]
+    status = cmd(("servers", "power"), "status", *SERVERS, "-o", "json", code=1)
+    results = {r["server"]: r for r in json.loads(status.stdout)}
+    assert [results[name]["ok"] for name in SERVERS] == [True, False, True, False], results
+    assert "refused" in results[REDFISH_BAD_AUTH]["error"], results
+    assert IPMI_DOWN in (results[IPMI_DOWN]["error"] or ""), results
+    cmd(("servers", "power"), "on", "--rack", RACK, code=1)
+    cmd(("servers", "power"), "cycle", IPMI_OK)
     for output in ("table", "json"):
         cmd(("sites",), "-o", output)
         cmd(("racks",), "-o", output, "--site", SITE)
