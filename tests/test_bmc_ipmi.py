@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from pyghmi import exceptions as pyghmi_exc
 from pyghmi.ipmi import command as pyghmi_command
+from pyghmi.ipmi.private import session as pyghmi_session
 
 from fleet.bmc import driver_for
 from fleet.bmc.base import (
@@ -299,6 +300,48 @@ def test_stopped_bmc_is_unreachable(make_sim: SimFactory) -> None:
             driver.power_state()
         assert time.monotonic() - started <= CALL + MARGIN
         assert_one_line_naming(caught.value, target)
+
+
+def test_a_dropped_session_leaves_nothing_in_pyghmis_tables(make_sim: SimFactory) -> None:
+    """A session dropped after a timeout must not stay in pyghmi's keepalive and retransmit
+    tables: pyghmi runs those in whichever caller thread waits, so a leftover would go on
+    costing every later IPMI call time (and more with each dead BMC)."""
+    sim = make_sim(powered_on=True)
+    with IpmiDriver(target_of(sim)) as driver:
+        assert driver.power_state() is PowerState.ON
+        session = driver._cmd.ipmi_session
+        assert session in pyghmi_session.Session.keepalive_sessions
+        sim.stop()
+        with pytest.raises(BmcUnreachable):
+            driver.power_state()
+    assert session not in pyghmi_session.Session.keepalive_sessions
+    assert session not in pyghmi_session.Session.waiting_sessions
+    assert session.broken
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_pyghmi_io_thread_is_revived(sim: IpmiSim) -> None:
+    """pyghmi's single I/O thread dies if its select() raises (here: a closed socket among its
+    sockets); the driver starts a new one instead of letting every IPMI call hang."""
+    with IpmiDriver(target_of(sim)) as driver:
+        assert driver.power_state() is PowerState.OFF
+    thread = pyghmi_session.iothread
+    assert thread is not None and thread.is_alive()
+    closed = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    closed.close()
+    pyghmi_session.iosockets.append(closed)
+    wake = pyghmi_session.iosockets[0]
+    wake.sendto(b"\x01", (pyghmi_session.myself, wake.getsockname()[1]))
+    deadline = time.monotonic() + 5  # (pyghmi's thread overrides join() without a timeout)
+    while thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not thread.is_alive()  # select() raised on the closed socket
+
+    with IpmiDriver(target_of(sim)) as driver:
+        assert driver.power_on().sent
+        assert driver.power_state() is PowerState.ON
+    assert pyghmi_session.iothread is not thread and pyghmi_session.iothread.is_alive()
+    assert closed not in pyghmi_session.iosockets
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import socket
 import threading
@@ -68,6 +69,7 @@ from fleet.bmc.retry import with_retries
 from fleet.models import PowerState
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # IPMI Chassis Control (netfn 0x00, command 0x02) data byte values.
 _CHASSIS_CONTROL = 0x02
@@ -155,19 +157,53 @@ def _acquire_session(session: Any) -> None:
 
 
 def _release_session(session: Any, key: tuple[str, int, str], *, logout: bool) -> None:
-    """Drop one driver's hold on a pyghmi session; log it out when it was the last one."""
-    if not logout:
-        with _registry_lock:
-            _forget_user(session)
-        return
+    """Drop one driver's hold on a pyghmi session. The last one out logs it out (`logout`)
+    or, after a timeout or a broken connection, retires it without a word to the BMC."""
     with _bmc_lock(key):  # no new Command for this BMC picks up the session while it closes
         with _registry_lock:
             if _forget_user(session) > 0:
                 return
-        if getattr(session, "broken", True) or not getattr(session, "logged", 0):
-            return
-        with contextlib.suppress(Exception):  # best effort: the BMC times it out anyway
-            session.logout()
+        logged_in = bool(getattr(session, "logged", 0)) and not getattr(session, "broken", True)
+        if logout and logged_in:
+            with contextlib.suppress(Exception):  # best effort: the BMC times it out anyway
+                session.logout()
+        _retire(session)
+
+
+def _retire(session: Any) -> None:
+    """Take a session out of pyghmi's process-wide tables (keepalives, retransmit timers,
+    the per-address handlers). pyghmi runs every session's keepalive and retransmit timer in
+    whichever caller thread happens to be waiting, so a session left behind after a timeout
+    would go on costing the healthy BMCs' calls time, for as long as the process lives."""
+    if getattr(session, "broken", False) and not getattr(session, "logged", 0):
+        return
+    with contextlib.suppress(Exception):
+        session.logged = 0  # so that pyghmi sends no logout to a BMC that does not answer
+        session._mark_broken("session retired by Fleet")
+
+
+def _revive_io_thread() -> None:
+    """pyghmi receives every IPMI datagram of the process on one I/O thread; if that thread
+    has died (e.g. `select()` raised), every IPMI call in the process would wait for answers
+    nobody reads. Start a new one, once, and say so."""
+    thread = pyghmi_session.iothread
+    if thread is None or thread.is_alive():
+        return
+    with _registry_lock:
+        if pyghmi_session.iothread is not thread:
+            return  # another caller revived it
+        dead = [s for s in pyghmi_session.iosockets if s.fileno() < 0]
+        for sock in dead:
+            pyghmi_session.iosockets.remove(sock)
+        log.error(
+            "pyghmi's I/O thread had died (%d closed sockets dropped); starting a new one",
+            len(dead),
+        )
+        worker = pyghmi_session.define_worker()()
+        worker.daemon = True
+        pyghmi_session.iothreadready = False
+        pyghmi_session.iothread = worker
+        worker.start()
 
 
 def _forget_user(session: Any) -> int:
@@ -344,6 +380,7 @@ class IpmiDriver(PowerDriver):
     def _call(self, what: str, fn: Callable[[Any], T], *, command: bool = False) -> T:
         """Run `fn(pyghmi Command)` in a worker thread; wait at most `timeouts.call` s."""
         limit = self.target.timeouts.call
+        _revive_io_thread()
         with self._lock:
             generation = self._generation
         box: dict[str, Any] = {}
