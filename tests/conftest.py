@@ -8,6 +8,7 @@ every table before each test; `session` is an ORM session on it.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,9 +35,25 @@ def _isolated_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         mp.setenv("FLEET_DATA_DIR", str(data_dir))
         mp.delenv("FLEET_DATABASE_URL", raising=False)
         mp.delenv("FLEET_SECRET_KEY", raising=False)
+        # Control loops run only where a test starts them (test_reconciler, test_leader).
+        mp.setenv("FLEET_RUN_LOOPS", "false")
         get_settings.cache_clear()
         yield data_dir
     get_settings.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _pyghmi_io_thread_survives() -> Iterator[None]:
+    """pyghmi reads every IPMI answer of the process on one I/O thread: a test after which it
+    is dead would leave every later IPMI test hanging. Name the culprit instead."""
+    yield
+    module = sys.modules.get("pyghmi.ipmi.private.session")
+    thread = getattr(module, "iothread", None)
+    if thread is not None and not thread.is_alive():
+        from fleet.bmc.ipmi import _revive_io_thread
+
+        _revive_io_thread()  # so that later tests run on a working thread
+        pytest.fail("pyghmi's I/O thread died during this test", pytrace=False)
 
 
 @pytest.fixture
