@@ -256,6 +256,12 @@ class Server(ServerBase, table=True):
     power_state: PowerState = _enum(PowerState, default=PowerState.UNKNOWN)
     power_state_at: datetime | None = _ts(default=None)
     bmc_reachable: bool | None = None
+    # The reconciler's bookkeeping: BMC reads failed in a row (K of them mark the BMC
+    # unreachable), when it last read this BMC, and until when a power action Fleet sent is
+    # still settling (BMCs apply resets seconds late: no "correction" before then).
+    bmc_failures: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    bmc_checked_at: datetime | None = _ts(default=None)
+    power_settle_until: datetime | None = _ts(default=None)
     last_heartbeat_at: datetime | None = _ts(default=None)
     health_verdict: Verdict | None = _enum(Verdict, default=None)
     created_at: datetime = _ts(default_factory=utcnow)

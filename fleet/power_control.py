@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import lru_cache
 from typing import Literal
 
@@ -123,8 +124,10 @@ def _record(
     result: ActionResult | PowerState | None,
     error: Exception | None,
     actor: str,
+    settle_s: float,
 ) -> None:
-    """Observed fields and one Event, in one transaction."""
+    """Observed fields and one Event, in one transaction. A command that went out starts a
+    settle window in which the reconciler leaves the server alone (the BMC may apply it late)."""
     now = utcnow()
     with Session(engine) as session:
         row = session.get(Server, server.id)
@@ -134,6 +137,9 @@ def _record(
             after = result.state_after if isinstance(result, ActionResult) else result
             assert after is not None
             row.power_state, row.power_state_at, row.bmc_reachable = after, now, True
+            row.bmc_failures, row.bmc_checked_at = 0, now
+            if isinstance(result, ActionResult) and result.sent:
+                row.power_settle_until = now + timedelta(seconds=settle_s)
             details: dict[str, object] = {"action": action, "power_state": after.value}
             if isinstance(result, ActionResult):
                 details.update(sent=result.sent, before=result.state_before.value)
@@ -169,7 +175,7 @@ def _describe(action: Action, result: ActionResult | PowerState | None) -> str:
     return f"power status: {result.value if result else 'unknown'}"
 
 
-def _load(engine: Engine, names: Sequence[str]) -> dict[str, tuple[Server, str]]:
+def load_servers(engine: Engine, names: Sequence[str]) -> dict[str, tuple[Server, str]]:
     """The named servers with their rack names; every name must exist."""
     with Session(engine) as session:
         rows = list(
@@ -203,7 +209,7 @@ def power(
     if action not in ACTIONS:
         raise ValueError(f"unknown power action {action!r} (one of {', '.join(ACTIONS)})")
     names = list(dict.fromkeys(names))  # a server named twice is acted on once
-    found = _load(engine, names)
+    found = load_servers(engine, names)
     if stagger is None:
         # Only power-ons draw inrush current; reads and power-offs need no spacing.
         spaced = action in ("on", "cycle")
@@ -226,7 +232,9 @@ def power(
     def report(outcome: Outcome[ActionResult | PowerState]) -> PowerReport:
         server = found[outcome.server][0]
         if not isinstance(outcome.error, ServerBusy):
-            _record(engine, server, action, outcome.value, outcome.error, actor)
+            _record(
+                engine, server, action, outcome.value, outcome.error, actor, settings.power_settle_s
+            )
         value = outcome.value
         before = value.state_before if isinstance(value, ActionResult) else value
         after = value.state_after if isinstance(value, ActionResult) else value
@@ -291,9 +299,8 @@ def _verify_one(
             result: ActionResult | PowerState = driver.power_on()
         else:
             result = driver.power_state()
-    _record(
-        engine, server, "on" if isinstance(result, ActionResult) else "status", result, None, actor
-    )
+    action: Action = "on" if isinstance(result, ActionResult) else "status"
+    _record(engine, server, action, result, None, actor, settings.power_settle_s)
     state = result.state_after if isinstance(result, ActionResult) else result
     if server.pool == Pool.BASELINE:
         target, why = ServerState.BOOTING, "BMC verified; baseline server powered on"
@@ -324,7 +331,7 @@ def verify(
 ) -> list[VerifyReport]:
     """Verify every named server's BMC and move the enrolled ones on; one report each."""
     names = list(dict.fromkeys(names))
-    found = _load(engine, names)
+    found = load_servers(engine, names)
     stagger = Stagger(  # baseline servers are powered on: stagger like any power-on
         workers=settings.bmc_workers,
         per_rack=settings.power_on_per_rack,
@@ -342,6 +349,6 @@ def verify(
             continue
         server = found[outcome.server][0]
         if not isinstance(outcome.error, ServerBusy):
-            _record(engine, server, "status", None, outcome.error, actor)
+            _record(engine, server, "status", None, outcome.error, actor, settings.power_settle_s)
         reports.append(VerifyReport(outcome.server, False, None, None, str(outcome.error)))
     return reports

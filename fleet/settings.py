@@ -58,6 +58,19 @@ class Settings(BaseSettings):
     bmc_workers: int = Field(default=32, ge=1, le=512)
     power_on_per_rack: int = Field(default=2, ge=1)
     power_on_rack_delay_s: float = Field(default=2.0, ge=0)
+    # Once Fleet sends a power action, the reconciler leaves the server alone this long (BMCs
+    # apply resets seconds late; sushy-tools 1-11 s).
+    power_settle_s: float = Field(default=20.0, ge=0)
+    # The reconciler: every server's BMC read this often; `reconcile_failures` failed reads in
+    # a row mark a BMC unreachable, read then only every `reconcile_unreachable_interval_s`.
+    reconcile_interval_s: float = Field(default=60.0, gt=0)
+    reconcile_failures: int = Field(default=3, ge=1)
+    reconcile_unreachable_interval_s: float = Field(default=300.0, gt=0)
+    # Singleton loops run in the leader only. A leader that stops answering (SIGSTOP, a paused
+    # VM) loses the lock after `leader_lease_s` idle; followers try again every loop tick.
+    leader_lease_s: float = Field(default=30.0, gt=0)
+    # Off: this process serves the API only and never leads (e.g. in tests, or read replicas).
+    run_loops: bool = True
     # Redfish TLS: verified by default (optionally against a CA bundle); off only when asked.
     bmc_verify_tls: bool = True
     bmc_ca_bundle: Path | None = None

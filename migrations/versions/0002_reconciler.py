@@ -1,0 +1,34 @@
+"""Reconciler bookkeeping on servers: BMC failures in a row, last BMC read, power settle time.
+
+Revision ID: 0002
+Revises: 0001
+Create Date: 2026-11-30 08:00:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0002"
+down_revision: str | None = "0001"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("server", schema=None) as batch_op:
+        batch_op.add_column(
+            sa.Column("bmc_failures", sa.Integer(), server_default="0", nullable=False)
+        )
+        batch_op.add_column(sa.Column("bmc_checked_at", sa.DateTime(timezone=True), nullable=True))
+        batch_op.add_column(
+            sa.Column("power_settle_until", sa.DateTime(timezone=True), nullable=True)
+        )
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("server", schema=None) as batch_op:
+        batch_op.drop_column("power_settle_until")
+        batch_op.drop_column("bmc_checked_at")
+        batch_op.drop_column("bmc_failures")
