@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,9 +18,10 @@ from starlette.responses import Response
 
 import fleet
 from fleet import db
-from fleet.api.metrics import FleetCollector, HttpMetrics
+from fleet.api.metrics import FleetCollector, HttpMetrics, LoopCollector
 from fleet.api.routes import deployments, health, inventory, power, servers, sites
 from fleet.api.routes import events as events_routes
+from fleet.control import build_loops
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError, ValidationFailed
 from fleet.settings import Settings, get_settings
@@ -67,14 +69,30 @@ def create_app(
     if migrate:
         prepare_database(settings, engine)
 
+    # The singleton loops run while the server runs (and only in the leader: fleet/leader.py).
+    loops = build_loops(settings, engine, box) if settings.run_loops else []
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for loop in loops:
+            loop.start()
+        try:
+            yield
+        finally:
+            for loop in loops:
+                loop.stop(timeout=settings.bmc_total_timeout_s)
+
     app = FastAPI(
         title="Fleet",
         version=fleet.__version__,
         description="Inventory, power budgets and lifecycle of a bare-metal GPU inference fleet.",
+        lifespan=lifespan,
     )
     app.state.settings, app.state.engine, app.state.box = settings, engine, box
+    app.state.loops = loops
     registry = CollectorRegistry()
     registry.register(FleetCollector(engine))
+    registry.register(LoopCollector(loops))
     app.state.registry = registry
     http_metrics = HttpMetrics(registry)
 

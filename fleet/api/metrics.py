@@ -5,14 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, func, select
 from starlette.requests import Request
 
-from fleet.models import Server
+from fleet.loops import SingletonLoop
+from fleet.models import PowerState, Server
+from fleet.power_sync import is_mismatched
 from fleet.racks import rack_views
+from fleet.states import ServerState
 
 
 class FleetCollector(Collector):
@@ -36,7 +39,22 @@ class FleetCollector(Collector):
         headroom = GaugeMetricFamily(
             "fleet_rack_headroom_watts", "Budget minus committed power", labels=["rack"]
         )
+        mismatched = GaugeMetricFamily(
+            "fleet_power_mismatch_servers",
+            "Servers whose BMC power state contradicts their lifecycle state (for an operator)",
+        )
+        unreachable = GaugeMetricFamily(
+            "fleet_bmc_unreachable_servers", "Servers whose BMC the reconciler cannot read"
+        )
         with Session(self._engine) as session:
+            flagged = unreachable_count = 0
+            for state, power_state, reachable in session.exec(
+                select(Server.state, Server.power_state, Server.bmc_reachable)
+            ):
+                flagged += is_mismatched(ServerState(state), PowerState(power_state))
+                unreachable_count += reachable is False
+            mismatched.add_metric([], flagged)
+            unreachable.add_metric([], unreachable_count)
             rows = session.exec(
                 select(Server.state, Server.pool, Server.gpu_model, func.count()).group_by(
                     Server.state, Server.pool, Server.gpu_model
@@ -48,7 +66,39 @@ class FleetCollector(Collector):
                 budget.add_metric([view.rack.name], view.power.budget_w)
                 committed.add_metric([view.rack.name], view.power.committed_w)
                 headroom.add_metric([view.rack.name], view.power.headroom_w)
-        yield from (servers, budget, committed, headroom)
+        yield from (servers, budget, committed, headroom, mismatched, unreachable)
+
+
+class LoopCollector(Collector):
+    """Singleton loops: whether this process leads them, and their ticks."""
+
+    def __init__(self, loops: list[SingletonLoop]) -> None:
+        self._loops = loops
+
+    def collect(self) -> Iterator[Metric]:
+        leader = GaugeMetricFamily(
+            "fleet_loop_leader", "1 where this process runs the loop (the leader)", labels=["loop"]
+        )
+        ticks = CounterMetricFamily("fleet_loop_ticks", "Ticks run", labels=["loop"])
+        failed = CounterMetricFamily(
+            "fleet_loop_failed_ticks", "Ticks that raised", labels=["loop"]
+        )
+        seconds = GaugeMetricFamily(
+            "fleet_loop_last_tick_seconds", "Duration of the last tick", labels=["loop"]
+        )
+        for loop in self._loops:
+            with loop.stats.lock:
+                stats = (
+                    loop.stats.leader,
+                    loop.stats.ticks,
+                    loop.stats.failed_ticks,
+                    loop.stats.last_tick_s,
+                )
+            leader.add_metric([loop.name], float(stats[0]))
+            ticks.add_metric([loop.name], stats[1])
+            failed.add_metric([loop.name], stats[2])
+            seconds.add_metric([loop.name], stats[3])
+        yield from (leader, ticks, failed, seconds)
 
 
 class HttpMetrics:

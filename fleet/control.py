@@ -1,0 +1,50 @@
+"""The service's singleton control loops, wired together: one leadership, one thread per loop.
+
+Today: the reconciler. The autoscaler and the scheduled-scaling calendar join here; they share
+the leadership, so one process leads them all.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import Engine
+
+from fleet import db
+from fleet.crypto import SecretBox
+from fleet.leader import identity, leadership_for
+from fleet.loops import SingletonLoop
+from fleet.models import Event, utcnow
+from fleet.reconciler import reconcile_once
+from fleet.settings import Settings
+
+
+def _leadership_event(engine: Engine, leading: bool) -> None:
+    who = identity()
+    with db.session_scope(engine) as session:
+        session.add(
+            Event(
+                at=utcnow(),
+                subject_type="service",
+                subject="leader",
+                actor=who,
+                kind="service.leader" if leading else "service.follower",
+                message=(
+                    f"{who} leads the control loops"
+                    if leading
+                    else f"{who} lost the lead and stopped its control loops"
+                ),
+                details={"process": who},
+            )
+        )
+
+
+def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[SingletonLoop]:
+    leadership = leadership_for(engine, "control", settings.leader_lease_s)
+    reconciler = SingletonLoop(
+        "reconciler",
+        settings.reconcile_interval_s,
+        lambda: reconcile_once(engine, box, settings),
+        leadership,
+        # A follower that never led has nothing to say; a change of leader is worth an Event.
+        on_leadership=lambda leading: _leadership_event(engine, leading),
+    )
+    return [reconciler]

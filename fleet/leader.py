@@ -1,0 +1,222 @@
+"""Leader election for the fleet's singleton loops (reconciler, autoscaler, calendar, ...).
+
+Any number of service processes may serve the API; the loops that act on the fleet run in one
+of them, the leader.
+
+- **Postgres**: the leader holds a session-level advisory lock on a connection of its own.
+  A process that dies (SIGKILL, OOM, host crash) loses the connection and with it the lock.
+  A process that is *stopped* (SIGSTOP, a debugger, a VM paused for minutes) keeps its TCP
+  connection open, so the lock alone would never move: the lock connection therefore sets
+  `idle_session_timeout` (Postgres 14+) to the lease, and a heartbeat thread touches it well
+  inside that lease. A stopped leader stops touching it, Postgres ends the session when the
+  lease runs out, and a follower takes the lock at its next attempt. A leader that wakes up
+  finds its connection gone at its next check and steps down before acting.
+- **SQLite** (the embedded default, one host): an exclusive `flock` on a file beside the
+  database. The kernel releases it when the process dies.
+
+`is_leader()` is asked at the start of every tick: it re-checks the lock, it does not trust a
+flag set minutes ago.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import threading
+import zlib
+from pathlib import Path
+from typing import IO, Protocol
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+log = logging.getLogger(__name__)
+
+
+def identity() -> str:
+    """Who holds the lock, as events and logs name it."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Leadership(Protocol):
+    name: str
+
+    def is_leader(self) -> bool:
+        """True when this process holds the lock now (acquiring it if it is free)."""
+        ...
+
+    def release(self) -> None: ...
+
+
+def leadership_for(engine: Engine, name: str, lease_s: float) -> Leadership:
+    if engine.dialect.name == "postgresql":
+        return PostgresLeadership(engine, name, lease_s)
+    database = engine.url.database
+    if not database or database == ":memory:":
+        return SoleProcess(name)
+    return FileLeadership(Path(database).with_suffix(f".{name}.leader"), name)
+
+
+class SoleProcess:
+    """An in-memory database lives in one process: that process leads."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def is_leader(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        return None
+
+
+class FileLeadership:
+    """An exclusive, non-blocking flock on a file beside the SQLite database."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self.name = name
+        self._path = path
+        self._file: IO[str] | None = None
+        self._guard = threading.Lock()
+
+    def is_leader(self) -> bool:
+        with self._guard:
+            if self._file is not None:
+                return True
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            handle = self._path.open("a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                return False
+            handle.seek(0)
+            handle.truncate()
+            handle.write(identity() + "\n")
+            handle.flush()
+            self._file = handle
+            return True
+
+    def release(self) -> None:
+        with self._guard:
+            if self._file is not None:
+                fcntl.flock(self._file, fcntl.LOCK_UN)
+                self._file.close()
+                self._file = None
+
+
+class PostgresLeadership:
+    """A session advisory lock on a dedicated connection, kept alive by a heartbeat."""
+
+    def __init__(self, engine: Engine, name: str, lease_s: float) -> None:
+        if lease_s <= 0:
+            raise ValueError("the leader lease must be positive")
+        self.name = name
+        self.lease_s = lease_s
+        self._key = zlib.crc32(f"fleet.leader:{name}".encode())
+        # Its own engine, no pool: the lock lives and dies with exactly one connection.
+        self._engine = sa.create_engine(
+            engine.url, poolclass=sa.NullPool, isolation_level="AUTOCOMMIT", hide_parameters=True
+        )
+        self._conn: Connection | None = None
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    def is_leader(self) -> bool:
+        with self._guard:
+            if self._conn is not None:
+                if self._still_held(self._conn):
+                    return True
+                log.warning(
+                    "leader %s: lost the lock (its connection ended); stepping down", self.name
+                )
+                self._drop()
+            return self._try_acquire()
+
+    def release(self) -> None:
+        self._stop.set()
+        with self._guard:
+            if self._conn is not None:
+                with contextlib.suppress(sa.exc.DBAPIError):
+                    self._conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
+                self._drop()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=self.lease_s)
+
+    # -----------------------------------------------------------------------------------------
+
+    def _try_acquire(self) -> bool:
+        try:
+            conn = self._engine.connect()
+        except sa.exc.DBAPIError as exc:
+            log.warning("leader %s: cannot reach the database: %s", self.name, exc.orig)
+            return False
+        try:
+            # Postgres ends this session once it has been idle for the lease: the heartbeat
+            # keeps a live leader well inside it; a stopped one loses the lock.
+            lease_ms = max(int(self.lease_s * 1000), 1)
+            conn.execute(sa.text(f"SET idle_session_timeout = {lease_ms}"))
+            got = conn.execute(
+                sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self._key}
+            ).scalar()
+        except sa.exc.DBAPIError as exc:
+            log.warning("leader %s: lock attempt failed: %s", self.name, exc.orig)
+            with contextlib.suppress(Exception):
+                conn.close()
+            return False
+        if not got:
+            conn.close()
+            return False
+        self._conn = conn
+        log.info("leader %s: this process (%s) now leads", self.name, identity())
+        self._start_heartbeat()
+        return True
+
+    def _still_held(self, conn: Connection) -> bool:
+        try:
+            return bool(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                        " AND pid = pg_backend_pid() AND objid = :low AND classid = :high"
+                    ),
+                    {"low": self._key & 0xFFFFFFFF, "high": self._key >> 32},
+                ).scalar()
+            )
+        except sa.exc.DBAPIError:
+            return False
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.invalidate()
+                conn.close()
+
+    def _start_heartbeat(self) -> None:
+        """A fresh heartbeat per lock connection: one that outlives its connection ends itself
+        (it checks which connection it serves), so a quick re-acquire never goes unbeaten."""
+        assert self._conn is not None
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._beat,
+            args=(self._conn, self._stop),
+            name=f"leader-heartbeat {self.name}",
+            daemon=True,
+        )
+        self._heartbeat.start()
+
+    def _beat(self, conn: Connection, stop: threading.Event) -> None:
+        # Touch the lock connection three times per lease so that it is never idle that long.
+        while not stop.wait(self.lease_s / 3):
+            with self._guard:
+                if self._conn is not conn:
+                    return
+                if not self._still_held(conn):
+                    log.warning("leader %s: heartbeat found the lock gone", self.name)
+                    self._drop()
+                    return
