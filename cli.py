@@ -20,6 +20,14 @@ import httpx
 import typer
 import yaml
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 
@@ -49,6 +57,7 @@ app.add_typer(deployments_app, name="deployments")
 
 # Piped output gets a wide console so tables are not squeezed to 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 200)
+err_console = Console(stderr=True)  # progress: never mixed into output a script may parse
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -166,6 +175,17 @@ class Api:
         if response.headers.get("content-type", "").startswith("application/json"):
             return response.json()
         return response.text
+
+    def stream_lines(self, method: str, path: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
+        """An NDJSON response, one decoded line at a time as the service sends it."""
+        headers = {"Accept": "application/x-ndjson"}
+        with self._client.stream(method, path, headers=headers, timeout=None, **kwargs) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                raise CliError(_detail(resp))
+            for text in resp.iter_lines():
+                if text.strip():
+                    yield json.loads(text)
 
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
@@ -652,11 +672,40 @@ def servers_power(
     """
     filters = {"site": site, "rack": rack, "pool": pool, "state": state, "gpu_model": gpu_model}
     body: dict[str, Any] = {"action": action, **_choose(names, filters)}
-    with console.status(f"power {action}…", spinner="dots"):
-        result = _api(url, token).request("POST", "/api/v1/power", json=body, timeout=None)
-    _show(result["results"], output, POWER_COLUMNS)
-    if result["failed"]:
-        raise CliError(f"{result['failed']} of {result['count']} servers failed (see the table)")
+    results: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    # The service streams one line per server as its BMC answers: a live progress bar (on
+    # stderr, so that `-o json` output stays clean), then the table in the order asked.
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn(f"power {action}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("power", total=None, failed=0)
+        for line in _api(url, token).stream_lines("POST", "/api/v1/power", json=body):
+            if "result" in line:
+                results.append(line["result"])
+                failed = sum(not r["ok"] for r in results)
+                progress.update(task, advance=1, failed=failed)
+            elif "error" in line:
+                raise CliError(f"the service failed mid-way: {line['error']}")
+            elif "failed" in line:
+                summary = line
+            elif "count" in line:
+                progress.update(task, total=line["count"])
+    if not summary:
+        raise CliError("the service ended the stream early (see its log); results may be partial")
+    order = {name: i for i, name in enumerate(names or [])}
+    results.sort(key=lambda r: (order.get(r["server"], len(order)), r["server"]))
+    _show(results, output, POWER_COLUMNS)
+    if summary["failed"]:
+        raise CliError(f"{summary['failed']} of {summary['count']} servers failed (see the table)")
 
 
 VERIFY_COLUMNS = [

@@ -993,3 +993,32 @@ def test_power_ons_in_a_rack_are_staggered(lab: Lab, db: Engine, tmp_path: Path)
     # reaches the BMC some ms after its reserved start (its lock, the HTTP client), more for
     # the first job of a call, so that gap can be a little under the delay although the starts
     # were not; the reports carry no start time to check it exactly.
+
+
+def test_bulk_power_streams_one_line_per_server_as_it_finishes(lab: Lab) -> None:
+    """`Accept: application/x-ndjson` (what fleetctl's progress bar reads): the count first,
+    then each server's result the moment its BMC answers, then the summary."""
+    fast = lab.sim(powered_on=True)
+    stalled = lab.stalled()
+    lab.import_inventory({"r1": {"quick": ipmi_bmc(fast.port), "slow": redfish_bmc(stalled.port)}})
+    body = {"action": "status", "servers": ["slow", "quick"]}
+    lines: list[tuple[float, dict[str, Any]]] = []
+    started = time.monotonic()
+    headers = {"Accept": "application/x-ndjson"}
+    with lab.operator.stream("POST", f"{API}/power", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        for text in response.iter_lines():
+            lines.append((time.monotonic() - started, json.loads(text)))
+    assert lines[0][1] == {"count": 2}
+    results = [line for _, line in lines[1:-1]]
+    assert [r["result"]["server"] for r in results] == ["quick", "slow"]  # as they finish
+    assert results[0]["result"]["ok"] and not results[1]["result"]["ok"]
+    assert lines[-1][1] == {"count": 2, "failed": 1}
+    # The quick one arrived well before the stalled one gave up (its call timeout).
+    assert lines[1][0] < lines[2][0] - CALL_S / 2
+    # Unknown names are refused before anything streams.
+    refused = lab.operator.post(
+        f"{API}/power", json={"action": "on", "servers": ["nope"]}, headers=headers
+    )
+    assert refused.status_code == 404 and "nope" in refused.json()["detail"]

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Annotated, Any, cast
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from fleet.api.deps import BoxDep, Operator, SessionDep, get_settings
+from fleet.crypto import SecretBox
 from fleet.models import Pool
-from fleet.power_control import Action, PowerReport, power, verify
+from fleet.power_control import Action, PowerReport, load_servers, power, verify
 from fleet.servers import ServerFilter, list_servers
 from fleet.settings import Settings
 from fleet.states import ServerState
@@ -87,23 +94,72 @@ def power_one(
     return _report(report)
 
 
-@router.post("/power")
+NDJSON = "application/x-ndjson"
+
+
+@router.post(
+    "/power",
+    responses={
+        200: {
+            "description": (
+                "All results at once (JSON), or with `Accept: application/x-ndjson` one line "
+                'per server as its BMC answers: `{"count": N}`, then `{"result": {...}}` lines '
+                'in the order they finish, then `{"count": N, "failed": F}`.'
+            ),
+            "content": {NDJSON: {}},
+        }
+    },
+)
 def power_many(
     request: BulkPowerRequest,
+    http: Request,
     user: Operator,
     session: SessionDep,
     box: BoxDep,
     settings: SettingsDep,
-) -> dict[str, Any]:
+) -> Any:
     """Many servers at once: bounded concurrency, power-ons staggered per rack."""
     names = request.names(session)
+    engine = cast(Engine, session.get_bind())
     session.close()  # the bulk action opens its own sessions per server
-    reports = power(session.get_bind(), box, settings, names, request.action, user.actor)  # type: ignore[arg-type]
+    load_servers(engine, names)  # unknown names are a 404 before anything is sent
+    action: Action = request.action
+    if NDJSON in http.headers.get("accept", ""):
+        stream = _stream(engine, box, settings, names, action, user.actor)
+        return StreamingResponse(stream, media_type=NDJSON)
+    reports = power(engine, box, settings, names, action, user.actor)
     return {
         "count": len(reports),
         "failed": sum(not r.ok for r in reports),
         "results": [_report(r) for r in reports],
     }
+
+
+def _stream(
+    engine: Engine, box: SecretBox, settings: Settings, names: list[str], action: Action, actor: str
+) -> Iterator[str]:
+    """Run the bulk action on a thread; yield each server's result as it lands (a progress
+    bar for `fleetctl servers power`). Starlette iterates this in its thread pool."""
+    done: queue.Queue[PowerReport | BaseException | None] = queue.Queue()
+
+    def work() -> None:
+        try:
+            power(engine, box, settings, names, action, actor, on_done=done.put)
+        except BaseException as exc:  # reported in the stream: the status line is gone
+            done.put(exc)
+        finally:
+            done.put(None)
+
+    threading.Thread(target=work, name="power-stream", daemon=True).start()
+    yield json.dumps({"count": len(dict.fromkeys(names))}) + "\n"
+    failed = 0
+    while (item := done.get()) is not None:
+        if isinstance(item, BaseException):
+            yield json.dumps({"error": f"{type(item).__name__}: {item}"}) + "\n"
+            continue
+        failed += not item.ok
+        yield json.dumps({"result": _report(item)}, default=str) + "\n"
+    yield json.dumps({"count": len(dict.fromkeys(names)), "failed": failed}) + "\n"
 
 
 @router.post("/verify")
