@@ -307,7 +307,8 @@ def test_a_dropped_session_leaves_nothing_in_pyghmis_tables(make_sim: SimFactory
     tables: pyghmi runs those in whichever caller thread waits, so a leftover would go on
     costing every later IPMI call time (and more with each dead BMC)."""
     sim = make_sim(powered_on=True)
-    with IpmiDriver(target_of(sim)) as driver:
+    driver = IpmiDriver(target_of(sim))
+    with driver:
         assert driver.power_state() is PowerState.ON
         session = driver._cmd.ipmi_session
         assert session in pyghmi_session.Session.keepalive_sessions
