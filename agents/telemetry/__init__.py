@@ -1,0 +1,1 @@
+"""GPU telemetry backends behind one snapshot shape (agents/telemetry/base.py)."""
