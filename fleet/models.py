@@ -264,6 +264,16 @@ class Server(ServerBase, table=True):
     power_settle_until: datetime | None = _ts(default=None)
     last_heartbeat_at: datetime | None = _ts(default=None)
     health_verdict: Verdict | None = _enum(Verdict, default=None)
+    # What the agent reports (fleet/agent_reports.py): who it is, where its local API listens,
+    # and its fault policy's repair action and reasons. Observations, like the fields above.
+    agent_version: str | None = Field(default=None, max_length=32)
+    agent_url: str | None = Field(default=None, max_length=255)
+    agent_registered_at: datetime | None = _ts(default=None)
+    health_action: str | None = Field(default=None, max_length=32)
+    health_reasons: list[dict[str, Any]] = _json(list)
+    # The deployment whose replicas this server runs (set by provisioning); the agent's
+    # heartbeat is answered with it as the server's assignment.
+    deployment_id: int | None = Field(default=None, foreign_key="deployment.id", index=True)
     created_at: datetime = _ts(default_factory=utcnow)
     updated_at: datetime = _ts(default_factory=utcnow)
 
@@ -330,6 +340,11 @@ class ServerPublic(ServerBase):
     bmc_reachable: bool | None
     last_heartbeat_at: datetime | None
     health_verdict: Verdict | None
+    health_action: str | None
+    health_reasons: list[dict[str, Any]]
+    agent_version: str | None
+    agent_url: str | None
+    agent_registered_at: datetime | None
     bmc_password_set: bool
     created_at: datetime
     updated_at: datetime

@@ -71,6 +71,8 @@ class Settings(BaseSettings):
     leader_lease_s: float = Field(default=30.0, gt=0)
     # Off: this process serves the API only and never leads (e.g. in tests, or read replicas).
     run_loops: bool = True
+    # Agents heartbeat this often (the fleet tells them in every reply).
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
     # Redfish TLS: verified by default (optionally against a CA bundle); off only when asked.
     bmc_verify_tls: bool = True
     bmc_ca_bundle: Path | None = None

@@ -69,6 +69,7 @@ def require(role: Role) -> Callable[[Principal], Principal]:
 
 Viewer = Annotated[Principal, Depends(require(Role.VIEWER))]
 Operator = Annotated[Principal, Depends(require(Role.OPERATOR))]
+AgentCaller = Annotated[Principal, Depends(require(Role.AGENT))]
 
 
 def get_settings(request: Request) -> Settings:
