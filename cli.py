@@ -49,11 +49,13 @@ token_app = _typer("API tokens (created directly in the database).")
 inventory_app = _typer("Inventory files: import, export, validate.")
 servers_app = _typer("GPU servers.")
 deployments_app = _typer("Deployments (served models).")
+agent_app = _typer("The node agent that runs on every GPU server.")
 app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
 app.add_typer(inventory_app, name="inventory")
 app.add_typer(servers_app, name="servers")
 app.add_typer(deployments_app, name="deployments")
+app.add_typer(agent_app, name="agent")
 
 # Piped output gets a wide console so tables are not squeezed to 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -282,6 +284,51 @@ def _engine() -> Any:
     engine = db.engine_from_settings(settings)
     prepare_database(settings, engine)
     return engine
+
+
+@agent_app.command("run")
+@handled
+def agent_run(
+    server: Annotated[
+        str | None, typer.Option(help="This server's inventory name [FLEET_AGENT_SERVER].")
+    ] = None,
+    fleet_url: Annotated[
+        str | None, typer.Option("--fleet-url", help="[FLEET_AGENT_FLEET_URL]")
+    ] = None,
+    telemetry: Annotated[
+        str | None,
+        typer.Option(help="nvml, dcgm or simulated (a stand-in) [FLEET_AGENT_TELEMETRY]."),
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(help="Local API port [FLEET_AGENT_LISTEN_PORT].")
+    ] = None,
+    fault_file: Annotated[
+        Path | None,
+        typer.Option("--fault-file", help="Simulated backend: faults to inject (JSON)."),
+    ] = None,
+) -> None:
+    """Run the agent (token from FLEET_AGENT_TOKEN; every setting as FLEET_AGENT_*)."""
+    import logging
+
+    from agents.config import AgentSettings
+    from agents.main import run
+    from agents.telemetry.base import TelemetryUnavailable
+
+    given = {
+        "server": server,
+        "fleet_url": fleet_url,
+        "telemetry": telemetry,
+        "listen_port": port,
+        "sim_fault_file": fault_file,
+    }
+    # Options given win over FLEET_AGENT_* (BaseSettings reads the environment for the rest).
+    options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    settings = AgentSettings(**options)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        run(settings)
+    except TelemetryUnavailable as exc:
+        raise CliError(str(exc)) from exc
 
 
 @db_app.command("upgrade")

@@ -574,7 +574,11 @@ def _run_every_command(
     )
 
     cmd(("token", "create"), "--role", "viewer", "--name", "cli-viewer")
-    cmd(("token", "create"), "--role", "agent", "--server", s1)
+    agent_token = cmd(("token", "create"), "--role", "agent", "--server", s1).stdout.split()[-1]
+    # The agent on a machine without GPUs: NVML refuses to start, in one line.
+    monkeypatch.setenv("FLEET_AGENT_TOKEN", agent_token)
+    refused = cmd(("agent", "run"), "--server", s1, "--telemetry", "nvml", "--port", "0", code=1)
+    assert "NVML is not available" in refused.stdout + refused.stderr
     tokens = json.loads(cmd(("token", "list"), "-o", "json").stdout)
     cmd(("token", "list"))
     cmd(("token", "revoke"), str(tokens[-1]["id"]))

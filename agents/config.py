@@ -1,0 +1,45 @@
+"""The agent's settings: `FLEET_AGENT_*` environment variables (or `fleetctl agent run` options)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Backend = Literal["nvml", "dcgm", "simulated"]
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLEET_AGENT_", extra="ignore")
+
+    # Identity: the server this agent runs on (its inventory name) and its agent token.
+    server: str = Field(min_length=1, max_length=63)
+    token: SecretStr
+    fleet_url: str = Field(default="http://127.0.0.1:8080", pattern=r"^https?://\S+$")
+    # The agent's own HTTP API (/healthz, /readyz, /state, /metrics): routers read it.
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(default=9410, ge=0, le=65535)  # 0: any free port (tests)
+    # The URL the fleet and routers use to reach this agent (default: http://host:port).
+    advertise_url: str | None = Field(default=None, pattern=r"^https?://\S+$")
+    telemetry: Backend = "nvml"
+    dcgm_url: str = "http://127.0.0.1:9400/metrics"
+    # Kernel log Xids complement NVML and DCGM (a GPU that fell off the bus, Xids from before
+    # the agent started); off where /dev/kmsg cannot be read (the agent says so once).
+    kernel_log: bool = True
+    # Simulated telemetry (a STAND-IN, for hosts without GPUs): model, count, fault file.
+    sim_gpu_model: str = "H100"
+    sim_gpus: int = Field(default=8, ge=1, le=64)
+    sim_fault_file: Path | None = None
+    sim_seed: int = 0
+    # GPUs the inventory says this server has (the fleet's answer to registration fills it).
+    expected_gpus: int | None = Field(default=None, ge=1, le=64)
+    # Heartbeats: the fleet's reply sets the interval; this is the first one.
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    request_timeout_s: float = Field(default=5.0, gt=0)
+    # Reaching the fleet after a failure: exponential backoff with jitter, capped.
+    backoff_initial_s: float = Field(default=0.5, gt=0)
+    backoff_max_s: float = Field(default=30.0, gt=0)
+    # Telemetry history the fault policy sees (its window is 10 minutes).
+    history_s: float = Field(default=900.0, gt=0)

@@ -1,0 +1,88 @@
+"""Start an agent: pick the telemetry backend, open the local API, tick until stopped."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+from agents.config import AgentSettings
+from agents.daemon import Agent, XidSource
+from agents.fleet_client import FleetClient
+from agents.local_api import LocalApi
+from agents.telemetry.base import GpuTelemetry, TelemetryUnavailable
+
+log = logging.getLogger("agents")
+
+
+def build_telemetry(settings: AgentSettings) -> GpuTelemetry:
+    """The configured backend; TelemetryUnavailable (a clear refusal) if it cannot run here."""
+    if settings.telemetry == "nvml":
+        from agents.telemetry.nvml import NvmlTelemetry
+
+        return NvmlTelemetry()
+    if settings.telemetry == "dcgm":
+        from agents.telemetry.dcgm import DcgmTelemetry
+
+        return DcgmTelemetry(settings.dcgm_url)
+    from agents.telemetry.simulated import SimulatedTelemetry
+
+    log.warning(
+        "telemetry: SIMULATED GPUs (%d x %s) - a stand-in for hosts without GPUs",
+        settings.sim_gpus,
+        settings.sim_gpu_model,
+    )
+    return SimulatedTelemetry(
+        settings.sim_gpu_model,
+        settings.sim_gpus,
+        fault_file=settings.sim_fault_file,
+        seed=settings.sim_seed,
+    )
+
+
+def build_kernel_log(settings: AgentSettings) -> XidSource | None:
+    """Kernel-log Xids for the real backends (the simulated one has no kernel to read)."""
+    if settings.telemetry == "simulated" or not settings.kernel_log:
+        return None
+    from agents.telemetry.kmsg import KmsgReader
+
+    try:
+        return KmsgReader()
+    except TelemetryUnavailable as exc:
+        log.warning("kernel log Xids off: %s", exc)
+        return None
+
+
+def run(settings: AgentSettings, stop: threading.Event | None = None) -> None:
+    """Run until `stop` is set (or SIGTERM/SIGINT in the main thread)."""
+    stop = stop or threading.Event()
+    telemetry = build_telemetry(settings)
+    client = FleetClient(
+        settings.fleet_url, settings.token.get_secret_value(), settings.request_timeout_s
+    )
+    agent = Agent(settings, telemetry, client, kernel_log=build_kernel_log(settings))
+    api = LocalApi(agent, settings.listen_host, settings.listen_port)
+    agent.advertise_url = settings.advertise_url or api.url
+    if threading.current_thread() is threading.main_thread():
+
+        def _stop(signum: int, _frame: FrameType | None) -> None:
+            log.info("signal %d: stopping", signum)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+    api.start()
+    log.info(
+        "agent for %s: local API at %s, fleet at %s, telemetry %s",
+        settings.server,
+        api.url,
+        settings.fleet_url,
+        telemetry.name,
+    )
+    try:
+        agent.run(stop)
+    finally:
+        api.stop()
+        client.close()
+        telemetry.close()
