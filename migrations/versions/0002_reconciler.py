@@ -28,7 +28,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("server", schema=None) as batch_op:
-        batch_op.drop_column("power_settle_until")
-        batch_op.drop_column("bmc_checked_at")
-        batch_op.drop_column("bmc_failures")
+    # Column by column (SQLite 3.35+ drops plain columns in place): a batch table copy would
+    # lose the server table's expression index (the unique BMC endpoint).
+    for column in ("power_settle_until", "bmc_checked_at", "bmc_failures"):
+        op.execute(f"ALTER TABLE server DROP COLUMN {column}")
