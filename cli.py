@@ -732,6 +732,8 @@ def servers_power(
         TimeElapsedColumn(),
         console=err_console,
         transient=True,
+        # Only for a person at a terminal: piped or captured stderr stays one line per error.
+        disable=not err_console.is_terminal,
     )
     with progress:
         task = progress.add_task("power", total=None, failed=0)
