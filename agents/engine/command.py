@@ -1,0 +1,278 @@
+"""The `trtllm-serve` command line for one replica of a deployment (pure: data in, data out).
+
+Sources read (NVIDIA/TensorRT-LLM on GitHub):
+
+- `tensorrt_llm/commands/serve.py`, the click options of `trtllm-serve serve`, at commit
+  4c05a74891e4df8066f08ed4ce14b0972abe4e25 (the 1.0/1.1 line: `--tp_size`, `--pp_size`,
+  `--kv_cache_free_gpu_memory_fraction`, `--extra_llm_api_options`) and at commit
+  00209af149e7774406881a37283dce303571eb11 (main, 1.2+: the same spellings survive as aliases of
+  `--tensor_parallel_size`, `--pipeline_parallel_size`, `--free_gpu_memory_fraction` and
+  `--config`). Only spellings that both accept are emitted, so one agent drives either.
+  `trtllm-serve` is a click group whose default command is `serve`: `trtllm-serve MODEL ...`.
+- `docs/source/commands/trtllm-serve/trtllm-serve.rst` (main): `/health`, `/metrics` (iteration
+  statistics, "stored in an internal queue and removed once retrieved"), turned on for the
+  PyTorch backend by `enable_iter_perf_stats: true` in the YAML file.
+- `tensorrt_llm/serve/openai_server.py` (main, commit 00057725d9a6591f033e44f31c219e2426827bb7):
+  `return_perf_metrics: true` creates the Prometheus `MetricsCollector` (`trtllm_*` families,
+  tensorrt_llm/metrics/collector.py) and mounts `/prometheus/metrics`.
+- `tensorrt_llm/llmapi/llm_args.py`: `enable_iter_perf_stats`, `enable_iter_req_stats`,
+  `print_iter_log` (TorchLlmArgs), `return_perf_metrics`, `perf_metrics_max_requests`,
+  `iter_stats_max_iterations` (BaseLlmArgs). The TensorRT backend's args have no
+  `enable_iter_perf_stats` (it always collects iteration stats) and reject unknown keys.
+- `update_llm_args_with_extra_dict` (llm_args.py / llm_utils.py): a YAML key REPLACES what the
+  flags built (e.g. a YAML `kv_cache_config` drops the flag's free-memory fraction), so no key
+  is ever given both ways here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlparse
+
+# engine_params key -> the trtllm-serve flag (see the module docstring for where each is read).
+INT_FLAGS: dict[str, str] = {
+    "tp_size": "--tp_size",
+    "pp_size": "--pp_size",
+    "ep_size": "--ep_size",
+    "max_batch_size": "--max_batch_size",
+    "max_num_tokens": "--max_num_tokens",
+    "max_seq_len": "--max_seq_len",
+    "max_beam_width": "--max_beam_width",
+}
+FLOAT_FLAGS: dict[str, str] = {
+    "kv_cache_free_gpu_memory_fraction": "--kv_cache_free_gpu_memory_fraction",
+}
+BOOL_FLAGS: dict[str, str] = {"trust_remote_code": "--trust_remote_code"}  # is_flag options
+BACKENDS = frozenset({"pytorch", "tensorrt", "trt", "_autodeploy"})  # ChoiceWithAlias in serve.py
+# Flags the supervisor sets itself (never from engine_params).
+HOST_FLAG, PORT_FLAG, BACKEND_FLAG = "--host", "--port", "--backend"
+EXTRA_OPTIONS_FLAG = "--extra_llm_api_options"
+
+# engine_params keys that are LlmArgs fields without a flag of their own: they go to the YAML.
+YAML_KEYS = frozenset(
+    {
+        "kv_cache_config",  # mapping: enable_block_reuse, dtype, ...
+        "enable_chunked_prefill",
+        "enable_attention_dp",
+        "disable_overlap_scheduler",
+        "cuda_graph_config",
+        "moe_config",
+        "attn_backend",
+        "speculative_config",
+        "enable_iter_req_stats",
+        "iter_stats_max_iterations",
+        "perf_metrics_max_requests",
+        "print_iter_log",
+    }
+)
+# Anything else LlmArgs knows goes verbatim under this key (a mapping): an operator's escape
+# hatch for options this list does not name yet. It may not touch what the flags set.
+PASS_THROUGH_KEY = "llm_api_options"
+# What the supervisor needs from every engine: iteration stats (/metrics) and Prometheus metrics
+# (/prometheus/metrics with the request-latency histograms).
+STATS_KEYS = ("enable_iter_perf_stats", "return_perf_metrics")
+
+FLAG_KEYS = frozenset({"backend", *INT_FLAGS, *FLOAT_FLAGS, *BOOL_FLAGS})
+KNOWN_KEYS = FLAG_KEYS | YAML_KEYS | {PASS_THROUGH_KEY}
+
+# LlmArgs names the flags fill in (get_llm_args in serve.py): never set through the YAML either.
+_FLAG_LLM_ARGS = frozenset(
+    {
+        "model",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "moe_expert_parallel_size",
+        "build_config",
+        "free_gpu_memory_fraction",
+    }
+)
+
+
+def check_engine_params(params: Mapping[str, Any]) -> None:
+    """ValueError naming every unknown key, or the first bad value."""
+    unknown = sorted(set(params) - KNOWN_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown engine_params {', '.join(unknown)}: trtllm-serve flags are "
+            f"{', '.join(sorted(FLAG_KEYS))}; LlmArgs options are {', '.join(sorted(YAML_KEYS))} "
+            f"or a mapping under {PASS_THROUGH_KEY!r}"
+        )
+    backend = params.get("backend")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"engine_params.backend {backend!r}: expected one of {sorted(BACKENDS)}")
+    for key in INT_FLAGS:
+        value = params.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"engine_params.{key} must be an integer, not {value!r}")
+        if value is not None and value < 1:
+            raise ValueError(f"engine_params.{key} must be positive, not {value}")
+    fraction = params.get("kv_cache_free_gpu_memory_fraction")
+    if fraction is not None:
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise ValueError(
+                f"engine_params.kv_cache_free_gpu_memory_fraction must be a number, "
+                f"not {fraction!r}"
+            )
+        if not (0.0 < float(fraction) <= 1.0) or not math.isfinite(float(fraction)):
+            raise ValueError(
+                f"engine_params.kv_cache_free_gpu_memory_fraction must be in (0, 1], not {fraction}"
+            )
+    for key in BOOL_FLAGS:
+        if key in params and not isinstance(params[key], bool):
+            raise ValueError(f"engine_params.{key} must be true or false, not {params[key]!r}")
+    kv = params.get("kv_cache_config")
+    if kv is not None and not isinstance(kv, Mapping):
+        raise ValueError("engine_params.kv_cache_config must be a mapping")
+    extra = params.get(PASS_THROUGH_KEY)
+    if extra is not None:
+        if not isinstance(extra, Mapping) or not all(isinstance(k, str) for k in extra):
+            raise ValueError(f"engine_params.{PASS_THROUGH_KEY} must be a mapping of options")
+        # Flags and YAML keys are given once, by their own route: a duplicate would replace
+        # what the flag built (see the module docstring).
+        clash = sorted(set(extra) & (FLAG_KEYS | YAML_KEYS | _FLAG_LLM_ARGS))
+        if clash:
+            raise ValueError(
+                f"engine_params.{PASS_THROUGH_KEY} may not set {', '.join(clash)}: "
+                "give them as engine_params of their own"
+            )
+        off = sorted(k for k in STATS_KEYS if k in extra and extra[k] is not True)
+        if off:
+            raise ValueError(
+                f"engine_params.{PASS_THROUGH_KEY} may not turn off {', '.join(off)}: "
+                "the agent reads every engine's statistics"
+            )
+
+
+def _uses_torch_args(params: Mapping[str, Any]) -> bool:
+    # No backend flag: trtllm-serve's default, pytorch in every release this agent supports.
+    return params.get("backend", "pytorch") in {"pytorch", "_autodeploy"}
+
+
+def extra_llm_api_options(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The `--extra_llm_api_options` YAML content for a deployment's engine_params."""
+    check_engine_params(params)
+    options: dict[str, Any] = {}
+    if _uses_torch_args(params):
+        options["enable_iter_perf_stats"] = True  # else /metrics stays empty (PyTorch backend)
+    options["return_perf_metrics"] = True  # mounts /prometheus/metrics with the histograms
+    for key in sorted(YAML_KEYS):
+        if key in params:
+            options[key] = _plain(params[key])
+    kv = options.get("kv_cache_config")
+    fraction = params.get("kv_cache_free_gpu_memory_fraction")
+    if isinstance(kv, dict) and fraction is not None:
+        # The YAML kv_cache_config replaces the one the flag built: carry the fraction into it.
+        given = kv.get("free_gpu_memory_fraction")
+        if given is not None and float(given) != float(fraction):
+            raise ValueError(
+                "engine_params.kv_cache_config.free_gpu_memory_fraction "
+                f"({given}) disagrees with kv_cache_free_gpu_memory_fraction ({fraction})"
+            )
+        kv["free_gpu_memory_fraction"] = float(fraction)
+    for key, value in (params.get(PASS_THROUGH_KEY) or {}).items():
+        options[key] = _plain(value)
+    return options
+
+
+def trtllm_serve_argv(
+    engine_command: Sequence[str],
+    model_path: str,
+    params: Mapping[str, Any],
+    host: str,
+    port: int,
+    extra_options_path: str,
+) -> list[str]:
+    """The argv of one replica's engine.
+
+    `<engine command> <model> --host H --port P [--backend B] [--tp_size T] [--pp_size P] ...
+    --extra_llm_api_options FILE`: only the engine_params that are present become flags
+    (trtllm-serve's own defaults apply to the rest); LlmArgs-only options live in the YAML file
+    (extra_llm_api_options()).
+    """
+    if not engine_command:
+        raise ValueError("engine_command is empty")
+    if not model_path:
+        raise ValueError("model_path is empty")
+    check_engine_params(params)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range")
+    argv = [*engine_command, model_path, HOST_FLAG, host, PORT_FLAG, str(port)]
+    if "backend" in params:
+        argv += [BACKEND_FLAG, str(params["backend"])]
+    for key, flag in INT_FLAGS.items():
+        if params.get(key) is not None:
+            argv += [flag, str(int(params[key]))]
+    for key, flag in FLOAT_FLAGS.items():
+        if params.get(key) is not None:
+            argv += [flag, repr(float(params[key]))]
+    for key, flag in BOOL_FLAGS.items():
+        if params.get(key) is True:
+            argv.append(flag)
+    argv += [EXTRA_OPTIONS_FLAG, extra_options_path]
+    return argv
+
+
+def replica_layout(gpu_indexes: Sequence[int], gpus_per_replica: int) -> list[tuple[int, ...]]:
+    """⌊GPUs ÷ GPUs per replica⌋ groups of consecutive GPU indexes (sorted); the rest stay idle.
+
+    Fewer GPUs than one replica needs is a ValueError, not an empty layout: an empty set of
+    replicas would read as "every replica ready".
+    """
+    if isinstance(gpus_per_replica, bool) or gpus_per_replica < 1:
+        raise ValueError(f"gpus_per_replica must be a positive integer, not {gpus_per_replica!r}")
+    gpus = sorted(gpu_indexes)
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"GPU indexes repeat: {list(gpu_indexes)}")
+    if any(g < 0 for g in gpus):
+        raise ValueError(f"GPU indexes must not be negative: {list(gpu_indexes)}")
+    count = len(gpus) // gpus_per_replica
+    if count == 0:
+        raise ValueError(
+            f"{len(gpus)} GPU(s) cannot hold one replica of {gpus_per_replica} GPUs: "
+            "no replica to run"
+        )
+    return [tuple(gpus[i * gpus_per_replica : (i + 1) * gpus_per_replica]) for i in range(count)]
+
+
+def replica_ports(base_port: int, replicas: int) -> list[int]:
+    """Replica i listens on base_port + i."""
+    if replicas < 0 or base_port < 1 or base_port + replicas - 1 > 65535:
+        raise ValueError(f"ports {base_port}..{base_port + replicas - 1} are out of range")
+    return [base_port + i for i in range(replicas)]
+
+
+def cuda_visible_devices(gpus: Sequence[int]) -> str:
+    """The CUDA_VISIBLE_DEVICES value that pins a replica to its GPUs ("2,3")."""
+    return ",".join(str(g) for g in gpus)
+
+
+def model_path(model_root: Path, deployment: str, model_uri: str) -> Path:
+    """Where a deployment's weights live on the host: model_root/<deployment>/<URI basename>.
+
+    s3://bucket/llama-3.1-8b -> model_root/<deployment>/llama-3.1-8b. Fetching the weights (and
+    checking model_checksum) happens before the engine starts and is not done here: on a real
+    host the path must exist; the stand-in engine ignores it.
+    """
+    _check_name(deployment, "deployment")
+    parsed = urlparse(model_uri)
+    path = parsed.path if parsed.scheme else model_uri
+    name = PurePosixPath(path.rstrip("/")).name or parsed.netloc
+    _check_name(name, f"the basename of model_uri {model_uri!r}")
+    return model_root / deployment / name
+
+
+def _check_name(name: str, what: str) -> None:
+    if not name or name in {".", ".."} or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{what} ({name!r}) cannot name a directory")
+
+
+def _plain(value: Any) -> Any:
+    """A deep copy made of plain dicts and lists (the YAML dumper's safe types)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
