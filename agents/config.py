@@ -43,3 +43,19 @@ class AgentSettings(BaseSettings):
     backoff_max_s: float = Field(default=30.0, gt=0)
     # Telemetry history the fault policy sees (its window is 10 minutes).
     history_s: float = Field(default=900.0, gt=0)
+    # GPUs are read (and the verdict re-judged) this often; heartbeats go at the fleet's
+    # interval, or at once when the verdict, readiness or drain state changes.
+    sample_interval_s: float = Field(default=1.0, gt=0)
+    # Engines (agents/engine/supervisor.py): one per replica of the assigned deployment. The
+    # command is `trtllm-serve` on GPU hosts; hosts without GPUs run the STAND-IN
+    # (`python -m agents.engine.standin`) with the same command line.
+    engine_command: str = "trtllm-serve"
+    engine_base_port: int = Field(default=8100, ge=1, le=65000)
+    engine_host: str = "127.0.0.1"
+    work_dir: Path = Path("fleet-agent")  # engine logs and options files
+    model_root: Path | None = None  # weights at MODEL_ROOT/<deployment>/<name>
+    engine_load_timeout_s: float = Field(default=900.0, gt=0)
+    engine_stop_grace_s: float = Field(default=30.0, gt=0)
+    # Self-drain (an unhealthy verdict or the fleet's "drain"): in-flight requests get this long
+    # to finish before the engines are stopped.
+    drain_deadline_s: float = Field(default=120.0, ge=0)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from agents import AGENT_VERSION
 from agents.config import AgentSettings
+from agents.engine.supervisor import EngineSupervisor
 from agents.fault_policy import Assessment, RepairAction, Verdict, assess
 from agents.fleet_client import FleetClient, FleetRefused, FleetUnreachable
 from agents.telemetry.base import GpuSample, GpuTelemetry, Snapshot, XidEvent
@@ -35,6 +36,17 @@ class XidSource(Protocol):
     """Kernel-log Xids (agents/telemetry/kmsg.py): new events since the last call."""
 
     def read_new(self) -> list[XidEvent]: ...
+
+
+@dataclasses.dataclass
+class Drain:
+    """A self-drain in progress: no new requests, in-flight ones finish, then engines stop."""
+
+    reason: str  # "unhealthy" or "fleet"
+    started: float
+    deadline: float
+    stopping: threading.Thread | None = None
+    done: bool = False
 
 
 @dataclasses.dataclass
@@ -54,6 +66,7 @@ class Agent:
         client: FleetClient,
         *,
         kernel_log: XidSource | None = None,
+        supervisor: EngineSupervisor | None = None,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
     ) -> None:
@@ -74,23 +87,49 @@ class Agent:
         self.last_contact: float | None = None
         self.last_error: str | None = None
         self.advertise_url = settings.advertise_url
+        self.supervisor = supervisor
+        self.drain: Drain | None = None
         self._failures = 0
+        self.next_report_at = 0.0  # report at once: register first
+        self._reported: tuple[object, ...] | None = None
+        self._wake = threading.Event()
         self._lock = threading.RLock()  # the local API reads what the loop writes
 
     # -----------------------------------------------------------------------------------------
     # one tick
 
     def tick(self) -> float:
-        """Read, judge, report. Returns the seconds to wait before the next tick."""
+        """Read and judge the GPUs, steer the engines, and report when due: every heartbeat
+        interval, and at once when the verdict, readiness or drain state changes. Returns the
+        seconds to wait before the next tick."""
         self._observe()
-        try:
-            self._report()
-        except FleetUnreachable as exc:
-            return self._failed(str(exc), refused=False)
-        except FleetRefused as exc:
-            return self._failed(str(exc), refused=True)
-        self._failures = 0
-        return self.interval_s
+        self._steer_engines()
+        now = self.clock()
+        changed = self._state_key() != self._reported
+        if now >= self.next_report_at or (changed and self._failures == 0):
+            try:
+                self._report()
+            except FleetUnreachable as exc:
+                self.next_report_at = now + self._failed(str(exc), refused=False)
+            except FleetRefused as exc:
+                self.next_report_at = now + self._failed(str(exc), refused=True)
+            else:
+                self._failures = 0
+                self.next_report_at = now + self.interval_s
+        return max(0.0, min(self.settings.sample_interval_s, self.next_report_at - now))
+
+    def wake(self) -> None:
+        """Tick now (e.g. a fault was just injected): the verdict must not wait a sample."""
+        self._wake.set()
+
+    def _state_key(self) -> tuple[object, ...]:
+        assessment = self.assessment
+        return (
+            assessment.verdict if assessment else None,
+            assessment.action if assessment else None,
+            self.ready,
+            self.draining,
+        )
 
     def _observe(self) -> None:
         now = self.clock()
@@ -139,7 +178,65 @@ class Agent:
                 self.registered = False  # register again once the fleet is back
                 raise
             self.counters.heartbeats += 1
+        self._reported = self._state_key()
         self._heard(reply)
+
+    # -----------------------------------------------------------------------------------------
+    # engines and self-drain
+
+    def _steer_engines(self) -> None:
+        """Engines run the fleet's assignment while the GPUs are not unhealthy. An unhealthy
+        verdict or the fleet's "drain" starts a self-drain: /readyz turns false at once (routers
+        stop sending), in-flight requests finish (up to drain_deadline_s), then the engines
+        stop gracefully."""
+        supervisor = self.supervisor
+        if supervisor is None:
+            return
+        now = self.clock()
+        kind = self.assignment.get("kind", "none")
+        unhealthy = self.assessment is not None and self.assessment.verdict is Verdict.UNHEALTHY
+        drain = self.drain
+        if drain is not None and drain.done and kind == "serve" and not unhealthy:
+            log.info("drain over: the assignment stands and the GPUs are healthy again")
+            self.drain = drain = None
+        if drain is None:
+            if kind == "serve" and not unhealthy:
+                self._apply(supervisor)
+                return
+            if kind == "none":
+                supervisor.apply(None)
+                return
+            if supervisor.deployment is None:
+                return  # nothing running: nothing to drain
+            reason = "fleet" if kind == "drain" else "unhealthy"
+            self.drain = drain = Drain(reason, now, now + self.settings.drain_deadline_s)
+            log.warning("self-drain (%s): not ready; in-flight requests finish", reason)
+        self._advance_drain(supervisor, drain, now)
+
+    def _apply(self, supervisor: EngineSupervisor) -> None:
+        snapshot = self.latest()
+        gpus = sorted(g.index for g in snapshot.gpus if not g.lost) if snapshot else None
+        try:
+            supervisor.apply(self.assignment, gpus=gpus or None)
+        except ValueError as exc:
+            with self._lock:
+                self.last_error = f"assignment: {exc}"
+
+    def _advance_drain(self, supervisor: EngineSupervisor, drain: Drain, now: float) -> None:
+        if drain.stopping is None:
+            # Stats are a poll old: trust "nothing in flight" only after two polls of the drain.
+            settled = now >= drain.started + 2 * supervisor.config.poll_interval_s
+            idle = settled and supervisor.in_flight() == 0
+            if idle or now >= drain.deadline:
+                if not idle:
+                    log.warning("drain deadline: stopping engines with requests in flight")
+                drain.stopping = threading.Thread(
+                    target=supervisor.stop_all, name="engine-stop", daemon=True
+                )
+                drain.stopping.start()
+        elif not drain.stopping.is_alive() and not drain.done:
+            drain.done = True
+            log.info("drain done: engines stopped")
 
     def _heard(self, reply: dict[str, Any]) -> None:
         with self._lock:
@@ -221,23 +318,29 @@ class Agent:
             "gpus": [_gpu_status(g, assessment) for g in (snapshot.gpus if snapshot else ())],
             "snapshot_at": _iso(snapshot.at) if snapshot else None,
             "draining": self.draining,
+            "ready": self.ready,
+            "replicas": [_replica_report(r) for r in self.replicas()],
         }
 
     @property
     def draining(self) -> bool:
-        return self.assignment.get("kind") == "drain"
+        return self.assignment.get("kind") == "drain" or self.drain is not None
+
+    def replicas(self) -> list[dict[str, Any]]:
+        return self.supervisor.replica_stats() if self.supervisor is not None else []
 
     @property
     def ready(self) -> bool:
-        """GPUs healthy and not draining (engine readiness joins with the supervisor)."""
+        """GPUs not unhealthy, not draining, and every replica of the assignment ready."""
         with self._lock:
             assessment = self.assessment
-        return (
-            assessment is not None
-            and assessment.verdict is not Verdict.UNHEALTHY
-            and not self.draining
-            and bool(self.history)
-        )
+        if assessment is None or assessment.verdict is Verdict.UNHEALTHY or not self.history:
+            return False
+        if self.draining:
+            return False
+        if self.assignment.get("kind") == "serve" and self.supervisor is not None:
+            return self.supervisor.ready
+        return True
 
     def state(self) -> dict[str, Any]:
         """Everything /state shows: the latest snapshot, the verdict, the fleet's view."""
@@ -253,6 +356,8 @@ class Agent:
                 "assignment": self.assignment,
                 "ready": self.ready,
                 "draining": self.draining,
+                "drain": _drain_view(self.drain),
+                "replicas": self.replicas(),
                 "last_contact": _iso(self.last_contact) if self.last_contact else None,
                 "last_error": self.last_error,
                 "assessment": assessment.to_dict() if assessment else None,
@@ -263,14 +368,57 @@ class Agent:
     # -----------------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Tick until `stop` is set."""
-        while not stop.is_set():
-            try:
-                wait = self.tick()
-            except Exception:  # never let one bad tick end the agent
-                log.exception("agent tick failed")
-                wait = self.settings.backoff_max_s
-            stop.wait(wait)
+        """Tick until `stop` is set; the engines stop with the agent."""
+        if self.supervisor is not None:
+            self.supervisor.start()
+        try:
+            while not stop.is_set():
+                try:
+                    wait = self.tick()
+                except Exception:  # never let one bad tick end the agent
+                    log.exception("agent tick failed")
+                    wait = self.settings.sample_interval_s
+                self._wake.wait(wait)
+                self._wake.clear()
+        finally:
+            if self.supervisor is not None:
+                self.supervisor.close(self.settings.engine_stop_grace_s)
+
+
+def _drain_view(drain: Drain | None) -> dict[str, Any] | None:
+    if drain is None:
+        return None
+    return {
+        "reason": drain.reason,
+        "started": _iso(drain.started),
+        "deadline": _iso(drain.deadline),
+        "engines_stopping": drain.stopping is not None and not drain.done,
+        "done": drain.done,
+    }
+
+
+_REPLICA_FIELDS = (
+    "index",
+    "gpus",
+    "port",
+    "url",
+    "state",
+    "restarts",
+    "load_seconds",
+    "queued",
+    "running",
+    "kv_used_fraction",
+    "cache_hit_rate",
+    "tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "e2e_p50_s",
+    "e2e_p95_s",
+)
+
+
+def _replica_report(stats: dict[str, Any]) -> dict[str, Any]:
+    return {key: stats.get(key) for key in _REPLICA_FIELDS}
 
 
 def _seen(event: XidEvent, known: tuple[XidEvent, ...]) -> bool:

@@ -134,6 +134,7 @@ def build_app(agent: Agent) -> Starlette:
             injected = [Fault.from_dict(item) for item in items]
             for fault in injected:
                 inject(fault)
+            agent.wake()  # judge the GPUs now, not at the next sample
         except (ValueError, TypeError, AttributeError) as exc:
             return JSONResponse({"detail": f"bad fault: {exc}"}, status_code=422)
         return JSONResponse({"injected": len(injected)})

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import threading
 from types import FrameType
 
 from agents.config import AgentSettings
 from agents.daemon import Agent, XidSource
+from agents.engine.supervisor import EngineSupervisor, SupervisorConfig
 from agents.fleet_client import FleetClient
 from agents.local_api import LocalApi
 from agents.telemetry.base import GpuTelemetry, TelemetryUnavailable
@@ -54,6 +56,19 @@ def build_kernel_log(settings: AgentSettings) -> XidSource | None:
         return None
 
 
+def build_supervisor(settings: AgentSettings) -> EngineSupervisor:
+    config = SupervisorConfig(
+        work_dir=settings.work_dir / "engines",
+        engine_command=tuple(shlex.split(settings.engine_command)),
+        host=settings.engine_host,
+        base_port=settings.engine_base_port,
+        load_timeout_s=settings.engine_load_timeout_s,
+        stop_grace_s=settings.engine_stop_grace_s,
+        model_root=settings.model_root,
+    )
+    return EngineSupervisor(config)
+
+
 def run(settings: AgentSettings, stop: threading.Event | None = None) -> None:
     """Run until `stop` is set (or SIGTERM/SIGINT in the main thread)."""
     stop = stop or threading.Event()
@@ -61,7 +76,13 @@ def run(settings: AgentSettings, stop: threading.Event | None = None) -> None:
     client = FleetClient(
         settings.fleet_url, settings.token.get_secret_value(), settings.request_timeout_s
     )
-    agent = Agent(settings, telemetry, client, kernel_log=build_kernel_log(settings))
+    agent = Agent(
+        settings,
+        telemetry,
+        client,
+        kernel_log=build_kernel_log(settings),
+        supervisor=build_supervisor(settings),
+    )
     api = LocalApi(agent, settings.listen_host, settings.listen_port)
     agent.advertise_url = settings.advertise_url or api.url
     if threading.current_thread() is threading.main_thread():

@@ -70,6 +70,27 @@ class HealthReason(_Strict):
     verdict: Verdict
 
 
+class ReplicaStatus(_Strict):
+    """One engine replica as the agent's supervisor sees it (agents/engine/supervisor.py)."""
+
+    index: int = Field(ge=0, le=MAX_GPUS - 1)
+    gpus: list[int] = Field(default_factory=list, max_length=MAX_GPUS)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    url: str | None = Field(default=None, max_length=255)
+    state: str = Field(max_length=32)
+    restarts: int = Field(default=0, ge=0)
+    load_seconds: float | None = Field(default=None, ge=0)
+    queued: int | None = Field(default=None, ge=0)
+    running: int | None = Field(default=None, ge=0)
+    kv_used_fraction: float | None = Field(default=None, ge=0, le=1)
+    cache_hit_rate: float | None = Field(default=None, ge=0, le=1)
+    tokens_per_s: float | None = Field(default=None, ge=0)
+    ttft_p50_s: float | None = Field(default=None, ge=0)
+    ttft_p95_s: float | None = Field(default=None, ge=0)
+    e2e_p50_s: float | None = Field(default=None, ge=0)
+    e2e_p95_s: float | None = Field(default=None, ge=0)
+
+
 class Heartbeat(_Strict):
     server: str = Field(max_length=63)
     verdict: Verdict
@@ -78,6 +99,8 @@ class Heartbeat(_Strict):
     gpus: list[GpuStatus] = Field(default_factory=list, max_length=MAX_GPUS)
     snapshot_at: datetime | None = None
     draining: bool = False
+    ready: bool | None = None  # the agent's /readyz: GPUs fine, not draining, replicas ready
+    replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=MAX_GPUS)
 
 
 class Assignment(BaseModel):
@@ -233,6 +256,9 @@ def heartbeat(
     server.health_verdict = report.verdict
     server.health_action = report.action
     server.health_reasons = [r.model_dump(mode="json") for r in report.reasons]
+    server.agent_ready = report.ready
+    server.agent_draining = report.draining
+    server.replicas = [r.model_dump(mode="json") for r in report.replicas]
     session.add(server)
     rows = {g.index: g for g in session.exec(select(Gpu).where(Gpu.server_id == server.id))}
     for gpu in report.gpus:

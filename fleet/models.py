@@ -271,6 +271,11 @@ class Server(ServerBase, table=True):
     agent_registered_at: datetime | None = _ts(default=None)
     health_action: str | None = Field(default=None, max_length=32)
     health_reasons: list[dict[str, Any]] = _json(list)
+    # The agent's readiness and its engine replicas' stats (queue, KV use, latency) as of the
+    # last heartbeat: routers and the autoscaler read these.
+    agent_ready: bool | None = None
+    agent_draining: bool = Field(default=False, sa_column_kwargs={"server_default": sa.false()})
+    replicas: list[dict[str, Any]] = _json(list)
     # The deployment whose replicas this server runs (set by provisioning); the agent's
     # heartbeat is answered with it as the server's assignment.
     deployment_id: int | None = Field(default=None, foreign_key="deployment.id", index=True)
@@ -342,6 +347,9 @@ class ServerPublic(ServerBase):
     health_verdict: Verdict | None
     health_action: str | None
     health_reasons: list[dict[str, Any]]
+    agent_ready: bool | None
+    agent_draining: bool
+    replicas: list[dict[str, Any]]
     agent_version: str | None
     agent_url: str | None
     agent_registered_at: datetime | None

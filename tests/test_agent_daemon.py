@@ -27,7 +27,7 @@ from agents.config import AgentSettings
 from agents.daemon import Agent
 from agents.fleet_client import FleetClient
 from agents.main import run
-from agents.telemetry.simulated import SimulatedTelemetry
+from agents.telemetry.simulated import Fault, SimulatedTelemetry
 from fleet.lab.sushy import free_port
 
 T = TypeVar("T")
@@ -224,7 +224,15 @@ def test_an_injected_fault_reaches_readyz_state_and_the_fleet(service: Service) 
 # The loop's reactions, with a scripted fleet (httpx.MockTransport)
 
 
-def scripted_agent(answers: list[int | Exception]) -> tuple[Agent, list[str]]:
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scripted_agent(answers: list[int | Exception]) -> tuple[Agent, list[str], Clock]:
     calls: list[str] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -253,33 +261,60 @@ def scripted_agent(answers: list[int | Exception]) -> tuple[Agent, list[str]]:
     client = FleetClient(
         "http://fleet.invalid", "flt_x", 1.0, transport=httpx.MockTransport(handler)
     )
-    telemetry = SimulatedTelemetry("H100", 2, clock=lambda: 1_000.0)
-    return Agent(settings, telemetry, client, clock=lambda: 1_000.0, rng=random.Random(1)), calls
+    clock = Clock()
+    telemetry = SimulatedTelemetry("H100", 2, clock=clock)
+    agent = Agent(settings, telemetry, client, clock=clock, rng=random.Random(1))
+    return agent, calls, clock
 
 
 def test_registers_first_then_heartbeats_at_the_fleets_interval() -> None:
-    agent, calls = scripted_agent([])
-    assert agent.tick() == 7.0 and agent.tick() == 7.0
+    agent, calls, clock = scripted_agent([])
+    assert agent.tick() == 1.0  # the next sample; the next report is 7 s away
+    assert calls == ["register"] and agent.next_report_at == clock.now + 7.0
+    clock.now += 3.0
+    agent.tick()
+    assert calls == ["register"]  # nothing changed, not yet due
+    clock.now += 4.0
+    agent.tick()
     assert calls == ["register", "heartbeat"]
-    assert agent.expected_gpus == 2
+    assert agent.expected_gpus == 2 and agent.counters.snapshots == 3
+
+
+def test_a_change_of_verdict_is_reported_at_once() -> None:
+    agent, calls, clock = scripted_agent([])
+    agent.tick()
+    assert isinstance(agent.telemetry, SimulatedTelemetry)
+    agent.telemetry.inject(Fault(kind="xid", xid=79, gpu=1))
+    clock.now += 1.0
+    agent.tick()
+    assert calls == ["register", "heartbeat"]
+    assert agent.assessment is not None and agent.assessment.verdict.value == "unhealthy"
+    assert not agent.ready
 
 
 def test_an_unreachable_fleet_backs_off_with_jitter_and_registers_again() -> None:
     outage = httpx.ConnectError("connection refused")
-    agent, calls = scripted_agent([200, outage, outage, outage, outage, 200, 200])
+    agent, calls, clock = scripted_agent([200, outage, outage, outage, outage, 200, 200])
     agent.tick()
-    waits = [agent.tick() for _ in range(4)]
+    waits = []
+    for _ in range(4):
+        clock.now = agent.next_report_at
+        agent.tick()
+        waits.append(agent.next_report_at - clock.now)
     assert not agent.registered
     assert all(0.5 <= w <= 30.0 for w in waits)
     assert max(waits) <= 0.5 * 2**4  # capped by the exponential, not yet by backoff_max_s
-    assert agent.tick() == 7.0 and agent.registered
+    clock.now = agent.next_report_at
+    agent.tick()
+    assert agent.registered and agent.next_report_at == clock.now + 7.0
     assert calls == ["register", "heartbeat", "register", "register", "register", "register"]
 
 
 def test_a_refused_report_waits_long_and_keeps_reading_the_gpus() -> None:
-    agent, _ = scripted_agent([403])
-    wait = agent.tick()
-    assert 0.5 <= wait <= 30.0 and "HTTP 403" in (agent.last_error or "")
+    agent, _, clock = scripted_agent([403])
+    agent.tick()
+    assert 0.5 <= agent.next_report_at - clock.now <= 30.0
+    assert "HTTP 403" in (agent.last_error or "")
     assert agent.counters.snapshots == 1 and not agent.registered
 
 
