@@ -586,6 +586,14 @@ def _run_every_command(
     cmd(("db", "upgrade"))
     cmd(("secret-key",))
 
+    # The virtual colo's commands on a file full of passwords and on a lab that is not up:
+    # one line each, no echo (the lab's own run is tests/test_lab.py).
+    no_lab = tmp_path / "no-lab"
+    cmd(("lab", "up"), str(broken), "--dir", str(no_lab), "--no-import", code=1)
+    cmd(("lab", "status"), "--dir", str(no_lab), code=1)
+    cmd(("lab", "inject"), s1, "xid", "79", "--dir", str(no_lab), code=1)
+    cmd(("lab", "down"), "--dir", str(no_lab), code=1)
+
     # `serve` with uvicorn.run stubbed: the import, the admin token and the banner run for real.
     served: list[Any] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
