@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -31,6 +30,7 @@ from agents.fleet_client import FleetClient
 from agents.local_api import LocalApi
 from agents.main import build_supervisor
 from agents.telemetry.simulated import SimulatedTelemetry
+from fleet.lab.colo import free_port_block
 
 T = TypeVar("T")
 ASSIGNMENT: dict[str, Any] = {
@@ -53,29 +53,6 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0) ->
                 return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
-def free_port_block(count: int) -> int:
-    """A base port with `count` free ports after it (bounded search)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + count >= 65000:
-            continue
-        try:
-            socks = []
-            for port in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no block of free ports")
 
 
 @dataclass

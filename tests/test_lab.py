@@ -26,6 +26,9 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import yaml
+from factories import walk_to
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
 from typer.testing import CliRunner, Result
 
 import cli
@@ -39,6 +42,8 @@ from fleet.lab.colo import (
     recorded_processes,
 )
 from fleet.lab.sushy import free_port
+from fleet.models import Deployment, Server
+from fleet.states import ServerState
 
 if shutil.which("ipmi_sim") is None or shutil.which("ipmitool") is None:
     if os.environ.get("CI") == "true":
@@ -54,6 +59,7 @@ BOOT_DELAY_S = 0.5
 SETTLE_S = 20.0  # sushy's 1-11 s, the boot delay, an agent's start on a busy machine
 AGENT_ENV = {
     "FLEET_AGENT_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
+    "FLEET_STANDIN_LOAD_S": "0.5",
     "FLEET_AGENT_BACKOFF_INITIAL_S": "0.2",
     "FLEET_AGENT_BACKOFF_MAX_S": "2",
     "FLEET_AGENT_REQUEST_TIMEOUT_S": "2",
@@ -321,6 +327,14 @@ def test_power_on_through_the_fleet_boots_agents_that_register_and_report_faults
             assert a in table and "BMC endpoint" in table and str(pids[a]) in table
             assert colo.power_w(a) == IDLE_W and colo.power_w(rf[1]) == STANDBY_W
 
+            # Assigned a deployment (provisioning's job; written to the database here): each
+            # agent starts its stand-in engines (2 replicas of 4 GPUs) and is ready with them.
+            assign(engine, "llama-8b", (a, b))
+            for name in (a, b):
+                replicas = wait_for(f"{name}'s engines ready", partial(_serving, fleet, name))
+                assert [r["gpus"] for r in replicas] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            seen += [ref for _, ref in recorded_processes(lab_json(workdir))]
+
             # A fault through the lab reaches the fleet within a heartbeat (plus slack).
             out = fleet.ok("lab", "inject", a, "xid", "79", "--gpu", "3", "--dir", str(workdir))
             assert "injected xid 79 on GPU 3" in out
@@ -370,6 +384,39 @@ def test_power_on_through_the_fleet_boots_agents_that_register_and_report_faults
         wait_for("nothing left", lambda: not leftovers(workdir, seen, dirs), 5)
     assert not leftovers(workdir, seen, dirs)
     assert "agent on port" in (workdir / "servers" / rf[0] / "agent.log").read_text()
+
+
+def assign(engine: Engine, deployment: str, servers: tuple[str, ...]) -> None:
+    """What provisioning will do: a deployment, its servers moved to `loading`."""
+    with Session(engine) as session:
+        row = Deployment(
+            name=deployment,
+            model_uri="s3://models/llama-3.1-8b",
+            model_checksum="sha256:1",
+            engine_params={"backend": "pytorch", "tp_size": 4},
+            gpus_per_replica=4,
+            gpu_models=["H100"],
+            max_replicas=4,
+            sla_p95_latency_ms=2000,
+            sla_ttft_ms=300,
+        )
+        session.add(row)
+        session.commit()
+        for name in servers:
+            server = session.exec(select(Server).where(Server.name == name)).one()
+            server.deployment_id = row.id
+            session.add(server)
+            session.commit()
+            walk_to(session, server, ServerState.LOADING)
+
+
+def _serving(fleet: Fleet, name: str) -> list[dict[str, Any]] | None:
+    """The replicas the fleet last heard of, once the agent reports them all ready."""
+    row = fleet.server(name)
+    replicas: list[dict[str, Any]] = row["replicas"]
+    if row["agent_ready"] and replicas and all(r["state"] == "ready" for r in replicas):
+        return replicas
+    return None
 
 
 def _agent_version(fleet: Fleet, name: str) -> str | None:

@@ -48,6 +48,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -110,6 +111,27 @@ if sys.platform == "linux":  # resolved here: the child of fork() should only ca
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
     _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     _prctl.restype = ctypes.c_int
+
+
+def free_port_block(count: int, attempts: int = 50) -> int:
+    """A base port with `count` free 127.0.0.1 TCP ports from it (bounded search)."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + count >= 65_000:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind((HOST, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise LabError(f"no block of {count} free ports on {HOST}")
 
 
 def _die_with_parent(parent: int) -> Callable[[], None] | None:
@@ -753,6 +775,11 @@ class VirtualColo:
             FLEET_AGENT_SIM_GPUS=str(node.spec.gpu.count),
             FLEET_AGENT_SIM_FAULT_FILE=str(node.workdir / "faults.json"),
             FLEET_AGENT_SIM_SEED=str(node.seed),
+            # Engines: the STAND-IN (no GPUs here), one port per possible replica.
+            FLEET_AGENT_ENGINE_COMMAND=f"{sys.executable} -m agents.engine.standin",
+            FLEET_AGENT_ENGINE_BASE_PORT=str(free_port_block(max(node.spec.gpu.count, 1))),
+            FLEET_AGENT_WORK_DIR=str(node.workdir / "agent"),
+            FLEET_STANDIN_GPU=node.spec.gpu.model,
         )
         env.update(self.agent_env)
         return env
