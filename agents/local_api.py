@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -139,6 +140,24 @@ def build_app(agent: Agent) -> Starlette:
             return JSONResponse({"detail": f"bad fault: {exc}"}, status_code=422)
         return JSONResponse({"injected": len(injected)})
 
+    async def probe(request: Request) -> Response:
+        """The fleet's inference-quality probe: the prompt on every ready replica, greedy
+        decoding; the answers are compared by the fleet with the deployment's reference."""
+        try:
+            body = await request.json()
+            prompt = str(body["prompt"])
+            max_tokens = int(body.get("max_tokens", 16))
+        except (ValueError, KeyError, TypeError) as exc:
+            return JSONResponse({"detail": f"bad probe: {exc}"}, status_code=422)
+        model = agent.assignment.get("deployment") or "model"
+        answers = []
+        async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+            for replica in agent.replicas():
+                if replica.get("state") != "ready" or not replica.get("url"):
+                    continue
+                answers.append(await _probe_replica(client, replica, model, prompt, max_tokens))
+        return JSONResponse({"deployment": model, "answers": answers})
+
     return Starlette(
         routes=[
             Route("/healthz", healthz),
@@ -146,8 +165,28 @@ def build_app(agent: Agent) -> Starlette:
             Route("/state", state_),
             Route("/metrics", metrics),
             Route("/faults", faults, methods=["POST"]),
+            Route("/probe", probe, methods=["POST"]),
         ]
     )
+
+
+async def _probe_replica(
+    client: httpx.AsyncClient, replica: dict[str, Any], model: str, prompt: str, max_tokens: int
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,  # greedy: the same model gives the same answer
+        "seed": 0,
+    }
+    try:
+        reply = await client.post(f"{replica['url']}/v1/completions", json=body)
+        reply.raise_for_status()
+        text = str(reply.json()["choices"][0]["text"])
+        return {"replica": replica["index"], "text": text, "error": None}
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        return {"replica": replica["index"], "text": None, "error": f"{type(exc).__name__}: {exc}"}
 
 
 class LocalApi:

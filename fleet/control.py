@@ -1,10 +1,13 @@
 """The service's singleton control loops, wired together: one leadership, one thread per loop.
 
-Today: the reconciler. The autoscaler and the scheduled-scaling calendar join here; they share
-the leadership, so one process leads them all.
+The reconciler (BMC power states) and the provisioner (warm-spare workflows); the autoscaler
+and the scheduled-scaling calendar join here. They share the leadership: one process leads
+them all.
 """
 
 from __future__ import annotations
+
+from datetime import datetime
 
 from sqlalchemy.engine import Engine
 
@@ -13,6 +16,7 @@ from fleet.crypto import SecretBox
 from fleet.leader import identity, leadership_for
 from fleet.loops import SingletonLoop
 from fleet.models import Event, utcnow
+from fleet.provisioning import provision_once
 from fleet.reconciler import reconcile_once
 from fleet.settings import Settings
 
@@ -39,12 +43,25 @@ def _leadership_event(engine: Engine, leading: bool) -> None:
 
 def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[SingletonLoop]:
     leadership = leadership_for(engine, "control", settings.leader_lease_s)
+    # When this process last became leader: missed heartbeats count only after a grace.
+    led_since: dict[str, datetime | None] = {"at": None}
+
+    def on_leadership(leading: bool) -> None:
+        led_since["at"] = utcnow() if leading else None
+        _leadership_event(engine, leading)
+
     reconciler = SingletonLoop(
         "reconciler",
         settings.reconcile_interval_s,
         lambda: reconcile_once(engine, box, settings),
         leadership,
         # A follower that never led has nothing to say; a change of leader is worth an Event.
-        on_leadership=lambda leading: _leadership_event(engine, leading),
+        on_leadership=on_leadership,
     )
-    return [reconciler]
+    provisioner = SingletonLoop(
+        "provisioner",
+        settings.provision_interval_s,
+        lambda: provision_once(engine, box, settings, leader_since=led_since["at"] or utcnow()),
+        leadership,
+    )
+    return [reconciler, provisioner]

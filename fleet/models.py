@@ -276,6 +276,25 @@ class Server(ServerBase, table=True):
     agent_ready: bool | None = None
     agent_draining: bool = Field(default=False, sa_column_kwargs={"server_default": sa.false()})
     replicas: list[dict[str, Any]] = _json(list)
+    # Provisioning (fleet/provisioning.py): how the current boot goes ("power_on", "cycle",
+    # "resume"), when it began, the write-ahead marks of power commands (committed before the
+    # BMC call, so a crash never leads to a second command), why it drains or failed, fault
+    # and reboot history (escalation is the fleet's: an agent forgets across reboots), and
+    # the measured boot-to-ready and load times placement prefers.
+    boot_kind: str | None = Field(default=None, max_length=16)
+    boot_started_at: datetime | None = _ts(default=None)
+    load_started_at: datetime | None = _ts(default=None)
+    power_on_sent_at: datetime | None = _ts(default=None)
+    power_off_sent_at: datetime | None = _ts(default=None)
+    drain_reason: str | None = Field(default=None, max_length=16)
+    drain_started_at: datetime | None = _ts(default=None)
+    failed_reason: str | None = Field(default=None, max_length=500)
+    last_fault: str | None = Field(default=None, max_length=200)
+    reboot_fault: str | None = Field(default=None, max_length=200)
+    reboot_count: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    boot_to_ready_s: float | None = None
+    load_s: float | None = None
+    probed_at: datetime | None = _ts(default=None)  # the last inference-quality probe
     # The deployment whose replicas this server runs (set by provisioning); the agent's
     # heartbeat is answered with it as the server's assignment.
     deployment_id: int | None = Field(default=None, foreign_key="deployment.id", index=True)
@@ -353,6 +372,14 @@ class ServerPublic(ServerBase):
     agent_version: str | None
     agent_url: str | None
     agent_registered_at: datetime | None
+    boot_kind: str | None
+    boot_started_at: datetime | None
+    drain_reason: str | None
+    failed_reason: str | None
+    last_fault: str | None
+    reboot_count: int
+    boot_to_ready_s: float | None
+    load_s: float | None
     bmc_password_set: bool
     created_at: datetime
     updated_at: datetime
@@ -438,6 +465,9 @@ def _check_engine_parallelism(params: dict[str, Any] | None, gpus_per_replica: i
 class Deployment(DeploymentBase, table=True):
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(max_length=63, unique=True, index=True)
+    # Servers it should run on now (operators: `fleetctl spares boot`; later the autoscaler).
+    # Provisioning holds it: short → spares boot (replacements too), over → servers return.
+    target_servers: int = Field(default=0, ge=0, sa_column_kwargs={"server_default": "0"})
     created_at: datetime = _ts(default_factory=utcnow)
     updated_at: datetime = _ts(default_factory=utcnow)
 
@@ -512,3 +542,32 @@ class ApiToken(SQLModel, table=True):
     server_id: int | None = Field(default=None, foreign_key="server.id")
     created_at: datetime = _ts(default_factory=utcnow)
     revoked_at: datetime | None = _ts(default=None)
+
+
+class Autopilot(SQLModel, table=True):
+    """One row: whether automatic actions may run, and the remediation breaker."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    paused: bool = False
+    reason: str = Field(default="", max_length=500)
+    changed_by: str | None = Field(default=None, max_length=100)
+    changed_at: datetime | None = _ts(default=None)
+    breaker_open: bool = False
+    breaker_reason: str | None = Field(default=None, max_length=500)
+    breaker_at: datetime | None = _ts(default=None)
+
+
+class ProbeReference(SQLModel, table=True):
+    """The answer a deployment's model gives to the quality probe's prompt (greedy decoding):
+    the first answer recorded for a model checksum is the reference every replica must match."""
+
+    __tablename__ = "probe_reference"
+    __table_args__ = (sa.UniqueConstraint("deployment_id", "model_checksum"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    deployment_id: int = Field(foreign_key="deployment.id", index=True)
+    model_checksum: str = Field(max_length=200)
+    prompt: str = Field(max_length=2000)
+    answer: str = Field(max_length=20000)
+    recorded_at: datetime = _ts(default_factory=utcnow)
+    recorded_from: str = Field(max_length=63)  # the server whose answer became the reference

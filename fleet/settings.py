@@ -71,6 +71,34 @@ class Settings(BaseSettings):
     leader_lease_s: float = Field(default=30.0, gt=0)
     # Off: this process serves the API only and never leads (e.g. in tests, or read replicas).
     run_loops: bool = True
+    # Provisioning (fleet/provisioning.py), a tick of the leader every `provision_interval_s`.
+    # Deadlines: large GPU servers take 10-15 min to POST (HARDWARE.md), then the GPU stack.
+    provision_interval_s: float = Field(default=5.0, gt=0)
+    boot_deadline_s: float = Field(default=1500.0, gt=0)
+    load_deadline_s: float = Field(default=900.0, gt=0)
+    # How long the fleet waits for an agent to drain before moving on without it.
+    drain_deadline_s: float = Field(default=300.0, gt=0)
+    # A power command without an answer (a crash after the BMC call) is asked again only after
+    # this long, once the BMC has surely applied the first one (sushy: 1-11 s).
+    power_retry_after_s: float = Field(default=30.0, gt=0)
+    power_off_deadline_s: float = Field(default=600.0, gt=0)
+    # A serving server silent this long is drained and power cycled (3 missed heartbeats
+    # already take it out of routing); after a leader change, silence counts after the grace.
+    heartbeat_cycle_after_s: float = Field(default=300.0, gt=0)
+    leader_grace_s: float = Field(default=60.0, ge=0)
+    # The same fault after this many reboots: quarantine.
+    max_reboots_same_fault: int = Field(default=2, ge=0)
+    # More than this share of servers turning unhealthy within the window: automatic
+    # remediation stops until a person resumes it.
+    breaker_share: float = Field(default=0.2, gt=0, le=1)
+    breaker_window_s: float = Field(default=600.0, gt=0)
+    # The inference-quality probe: each serving server's replicas answer a known prompt this
+    # often (0: never); an answer unlike the deployment's reference drains the server.
+    probe_interval_s: float = Field(default=300.0, ge=0)
+    probe_prompt: str = Field(
+        default="Fleet inference-quality probe: list the first five prime numbers.", max_length=2000
+    )
+    probe_max_tokens: int = Field(default=16, ge=1, le=256)
     # Agents heartbeat this often (the fleet tells them in every reply).
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
     # Redfish TLS: verified by default (optionally against a CA bundle); off only when asked.

@@ -164,6 +164,12 @@ def test_four_replicas_of_two_gpus_start_serve_and_restart(rig: Rig) -> None:
             timeout=30,
         )
         assert reply.status_code == 200, reply.text
+    # The fleet's quality probe through the agent: every replica, greedy, the same answer.
+    probe = httpx.post(
+        f"{rig.url}/probe", json={"prompt": "list five primes", "max_tokens": 8}, timeout=60
+    ).json()
+    texts = {a["text"] for a in probe["answers"]}
+    assert len(probe["answers"]) == 4 and len(texts) == 1 and None not in texts
     # Heartbeats carry the same per-replica view.
     wait_for("a heartbeat with replicas", lambda: len(rig.fleet.last().get("replicas", [])) == 4)
     assert rig.fleet.last()["ready"] is True

@@ -19,7 +19,16 @@ from starlette.responses import Response
 import fleet
 from fleet import db
 from fleet.api.metrics import FleetCollector, HttpMetrics, LoopCollector
-from fleet.api.routes import agent, deployments, health, inventory, power, servers, sites
+from fleet.api.routes import (
+    agent,
+    deployments,
+    health,
+    inventory,
+    power,
+    provisioning,
+    servers,
+    sites,
+)
 from fleet.api.routes import events as events_routes
 from fleet.control import build_loops
 from fleet.crypto import SecretBox
@@ -130,6 +139,15 @@ def create_app(
         return JSONResponse(body, status_code=422)
 
     app.include_router(health.router)
-    for module in (inventory, sites, servers, power, deployments, events_routes, agent):
+    for module in (
+        inventory,
+        sites,
+        servers,
+        power,
+        deployments,
+        events_routes,
+        agent,
+        provisioning,
+    ):
         app.include_router(module.router, prefix="/api/v1", responses=ERROR_RESPONSES)
     return app
