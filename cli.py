@@ -11,6 +11,7 @@ import functools
 import json
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
@@ -31,12 +32,12 @@ from rich.progress import (
 from rich.table import Table
 
 
-def _typer(help: str, name: str | None = None) -> typer.Typer:
+def _typer(help: str, name: str | None = None, *, no_args_is_help: bool = True) -> typer.Typer:
     # Plain (non-rich) usage errors: one line an operator can grep, and exit code 2.
     return typer.Typer(
         name=name,
         help=help,
-        no_args_is_help=True,
+        no_args_is_help=no_args_is_help,
         rich_markup_mode=None,
         pretty_exceptions_enable=False,
         add_completion=False,
@@ -907,22 +908,265 @@ def events(
     kind: Annotated[str | None, typer.Option(help="e.g. server.transition, or server.")] = None,
     since: Annotated[str | None, typer.Option(help="ISO 8601 time.")] = None,
     limit: Annotated[int, typer.Option("--limit")] = 50,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Then print new events as they happen.")
+    ] = False,
+    follow_for: Annotated[
+        float | None, typer.Option(help="With --follow: stop after this many seconds.")
+    ] = None,
     url: Url = DEFAULT_URL,
     token: Token = None,
     output: Out = Output.TABLE,
 ) -> None:
-    """Show events, newest first."""
-    rows = list(
-        _api(url, token).pages(
-            "/api/v1/events",
-            limit,
-            subject=subject,
-            subject_type=subject_type,
-            kind=kind,
-            since=since,
-        )
+    """Show events, newest first; with --follow, then every new one as it happens (oldest
+    first, one line each, until Ctrl-C or --follow-for)."""
+    api = _api(url, token)
+    filters = {"subject": subject, "subject_type": subject_type, "kind": kind}
+    rows = list(api.pages("/api/v1/events", limit, since=since, **filters))
+    if not follow:
+        _show(rows, output, EVENT_COLUMNS)
+        return
+    for row in reversed(rows):
+        _echo_event(row, output)
+    seen = {row["id"] for row in rows}
+    after = rows[0]["at"] if rows else since
+    deadline = None if follow_for is None else time.monotonic() + follow_for
+    while deadline is None or time.monotonic() < deadline:
+        time.sleep(0.5)
+        new = [
+            r
+            for r in api.pages("/api/v1/events", 1000, since=after, **filters)
+            if r["id"] not in seen
+        ]
+        for row in sorted(new, key=lambda r: r["id"]):
+            _echo_event(row, output)
+            seen.add(row["id"])
+            after = row["at"]
+
+
+def _echo_event(row: dict[str, Any], output: Output) -> None:
+    if output is Output.JSON:
+        typer.echo(json.dumps(row, default=str))
+        return
+    change = f" {row['from_state']} → {row['to_state']}" if row.get("to_state") else ""
+    typer.echo(f"{row['at']}  {row['subject']}  {row['kind']}{change}  {row['message']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Warm spares, operator moves that start workflows, the autopilot (fleet/provisioning.py)
+
+# `fleetctl spares` alone lists the pool; `fleetctl spares boot` boots some.
+spares_app = _typer(
+    "Warm spares: the pool, and booting them for a deployment.", no_args_is_help=False
+)
+autopilot_app = _typer("Automatic actions: status, pause, resume (and the breaker).")
+app.add_typer(spares_app, name="spares")
+app.add_typer(autopilot_app, name="autopilot")
+SPARE_COLUMNS = [
+    ("site", "site"),
+    ("gpu_model", "GPU"),
+    ("server", "server"),
+    ("rack", "rack"),
+    ("gpus", "GPUs #"),
+    ("boot_cost_w", "boot cost W"),
+    ("rack_headroom_w", "rack headroom W"),
+    ("fits", "fits"),
+    ("boot_to_ready_s", "boot→ready s"),
+]
+BOOT_PROGRESS = ("booting", "loading", "serving")
+BOOT_DONE = {"serving", "failed", "quarantined", "maintenance", "retired", "warm"}
+
+
+@spares_app.callback(invoke_without_command=True)
+@handled
+def spares(
+    ctx: typer.Context,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """The warm pool per site and GPU model, with each spare's power cost."""
+    if ctx.invoked_subcommand is not None:
+        return
+    body = _api(url, token).get("/api/v1/spares")
+    rows = [
+        {"site": pool["site"], "gpu_model": pool["gpu_model"], **spare}
+        for pool in body["pools"]
+        for spare in pool["spares"]
+    ]
+    _show(rows, output, SPARE_COLUMNS)
+
+
+@spares_app.command("boot")
+@handled
+def spares_boot(
+    deployment: Annotated[str, typer.Option("--deployment", help="The deployment to serve.")],
+    count: Annotated[int, typer.Option("--count", min=1, help="Spares to boot.")] = 1,
+    wait: Annotated[
+        float, typer.Option(help="Follow them this long (seconds; 0: do not follow).")
+    ] = 3600.0,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Boot warm spares for a deployment and follow each through booting → loading → serving.
+    Exit code 1 if fewer booted than asked, or any ended failed."""
+    api = _api(url, token)
+    result = api.request(
+        "POST", "/api/v1/spares/boot", json={"deployment": deployment, "count": count}
     )
-    _show(rows, output, EVENT_COLUMNS)
+    booted: list[str] = result["booted"]
+    if booted:
+        err_console.print(f"booting {len(booted)} for {deployment}: {', '.join(booted)}")
+    final = _follow_states(api, booted, wait) if booted and wait > 0 else {}
+    rows = [
+        {
+            "server": n,
+            "state": final.get(n, {}).get("state", "booting"),
+            "boot_to_ready_s": final.get(n, {}).get("boot_to_ready_s"),
+            "failed_reason": final.get(n, {}).get("failed_reason"),
+        }
+        for n in booted
+    ]
+    _show(
+        rows,
+        output,
+        [
+            ("server", "server"),
+            ("state", "state"),
+            ("boot_to_ready_s", "boot→ready s"),
+            ("failed_reason", "why failed"),
+        ],
+    )
+    failed = [r["server"] for r in rows if r["state"] == "failed"]
+    if result["short"]:
+        raise CliError(f"{result['short']} of {count} not booted: " + "; ".join(result["reasons"]))
+    if failed:
+        raise CliError(f"{len(failed)} failed: {', '.join(failed)} (see the table)")
+
+
+def _follow_states(api: Api, names: list[str], wait_s: float) -> dict[str, dict[str, Any]]:
+    """Poll the servers until each is done (serving, failed, …) or `wait_s` passed, showing
+    each one's state as it moves."""
+    last: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + wait_s
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+        disable=not err_console.is_terminal,
+    ) as progress:
+        tasks = {n: progress.add_task(f"{n}: booting", total=None) for n in names}
+        while time.monotonic() < deadline:
+            for name in names:
+                if last.get(name, {}).get("state") in BOOT_DONE:
+                    continue
+                row = api.get(f"/api/v1/servers/{name}")
+                if row["state"] != last.get(name, {}).get("state"):
+                    progress.update(tasks[name], description=f"{name}: {row['state']}")
+                    if not err_console.is_terminal:
+                        err_console.print(f"{name}: {row['state']}")
+                last[name] = row
+            if all(last.get(n, {}).get("state") in BOOT_DONE for n in names):
+                break
+            time.sleep(1.0)
+    return last
+
+
+def _server_move(path: str, name: str, url: str, token: str | None) -> None:
+    row = _api(url, token).request("POST", f"/api/v1/servers/{name}/{path}")
+    typer.echo(f"{row['server']}: {row['state']}")
+
+
+@servers_app.command("drain")
+@handled
+def servers_drain(name: str, url: Url = DEFAULT_URL, token: Token = None) -> None:
+    """Drain a serving server (in-flight requests finish); it then waits, drained."""
+    _server_move("drain", name, url, token)
+
+
+@servers_app.command("undrain")
+@handled
+def servers_undrain(name: str, url: Url = DEFAULT_URL, token: Token = None) -> None:
+    """Back to serving: a server an operator drained loads its deployment again."""
+    _server_move("undrain", name, url, token)
+
+
+def _operator_transition(name: str, to: str, reason: str, url: str, token: str | None) -> None:
+    body = {"to": to, "reason": reason}
+    row = _api(url, token).request("POST", f"/api/v1/servers/{name}/transition", json=body)
+    typer.echo(f"{name}: {row['server']['state']}")
+
+
+Reason = Annotated[str, typer.Option("--reason", help="Why (recorded in the event).")]
+
+
+@servers_app.command("maintenance")
+@handled
+def servers_maintenance(
+    name: str, reason: Reason = "operator maintenance", url: Url = DEFAULT_URL, token: Token = None
+) -> None:
+    """Take a server out for maintenance (nothing automatic touches it until released)."""
+    _operator_transition(name, "maintenance", reason, url, token)
+
+
+@servers_app.command("release")
+@handled
+def servers_release(
+    name: str,
+    reason: Reason = "released by an operator",
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Release a failed, quarantined or maintenance server: back to enrolled (verify next)."""
+    _operator_transition(name, "enrolled", reason, url, token)
+
+
+@servers_app.command("retire")
+@handled
+def servers_retire(
+    name: str,
+    reason: Reason = "retired by an operator",
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Retire a server for good."""
+    _operator_transition(name, "retired", reason, url, token)
+
+
+@autopilot_app.command("status")
+@handled
+def autopilot_status(
+    url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
+) -> None:
+    """Whether automatic actions run, and the breaker."""
+    _show(_api(url, token).get("/api/v1/autopilot"), output)
+
+
+@autopilot_app.command("pause")
+@handled
+def autopilot_pause(
+    reason: Annotated[str, typer.Option("--reason")] = "paused by an operator",
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Stop every automatic action (boots, drains, power cycles, returns)."""
+    row = _api(url, token).request("POST", "/api/v1/autopilot/pause", json={"reason": reason})
+    typer.echo(f"autopilot paused: {row['reason']}")
+
+
+@autopilot_app.command("resume")
+@handled
+def autopilot_resume(
+    reason: Annotated[str, typer.Option("--reason")] = "resumed by an operator",
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Resume automatic actions (and close an open breaker)."""
+    _api(url, token).request("POST", "/api/v1/autopilot/resume", json={"reason": reason})
+    typer.echo("autopilot running")
 
 
 # ---------------------------------------------------------------------------------------------

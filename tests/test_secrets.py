@@ -586,6 +586,20 @@ def _run_every_command(
     cmd(("db", "upgrade"))
     cmd(("secret-key",))
 
+    # Warm spares, workflow moves and the autopilot.
+    cmd(("spares",))
+    cmd(("spares",), "-o", "json")
+    cmd(("spares", "boot"), "--deployment", "no-such-deployment", "--wait", "0", code=1)
+    cmd(("servers", "drain"), s3, code=1)  # not serving: 409, one line
+    cmd(("servers", "undrain"), s3, code=1)
+    cmd(("servers", "maintenance"), s3, "--reason", "cli")
+    cmd(("servers", "release"), s3)
+    cmd(("servers", "retire"), "no-such-server", code=1)
+    cmd(("autopilot", "status"))
+    cmd(("autopilot", "pause"), "--reason", "cli")
+    cmd(("autopilot", "resume"))
+    cmd(("events",), "--follow", "--follow-for", "0.5", "--limit", "5")
+
     # The virtual colo's commands on a file full of passwords and on a lab that is not up:
     # one line each, no echo (the lab's own run is tests/test_lab.py).
     no_lab = tmp_path / "no-lab"
