@@ -36,7 +36,9 @@ from fleet.models import Rack, Server
 from fleet.states import INITIAL, ServerState
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED_DIRS = ("fleet", "agents", "bench")
+# The agent is another process that never imports the fleet (checked below): its own
+# `.state` fields (an engine replica's) are not a server's lifecycle state.
+SCANNED_DIRS = ("fleet", "bench")
 SCANNED_FILES = ("cli.py",)
 ALLOWED = frozenset({"fleet/lifecycle.py"})
 FIELD = "state"
@@ -318,3 +320,22 @@ def test_transition_updates_an_object_from_another_session(
         transition(own, elsewhere, ServerState.DRAINING, actor="tests", reason="guard")
     assert elsewhere.state == ServerState.DRAINING
     assert load(db, "gpu-1").state == ServerState.DRAINING
+
+
+def test_the_agent_never_imports_the_fleet_service() -> None:
+    """docs/design.md: agents talk only to the fleet API, NVML/DCGM and their engines."""
+    offenders = []
+    for path in sorted((ROOT / "agents").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {name}"
+                for name in names
+                if name == "fleet" or name.startswith("fleet.")
+            ]
+    assert offenders == []
