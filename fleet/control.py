@@ -12,6 +12,7 @@ from datetime import datetime
 from sqlalchemy.engine import Engine
 
 from fleet import db
+from fleet.autoscaler.service import History, autoscale_once
 from fleet.crypto import SecretBox
 from fleet.leader import identity, leadership_for
 from fleet.loops import SingletonLoop
@@ -64,4 +65,15 @@ def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[Sing
         lambda: provision_once(engine, box, settings, leader_since=led_since["at"] or utcnow()),
         leadership,
     )
-    return [reconciler, provisioner]
+    # Signal windows live in the leader's memory: a new leader starts with empty ones, so it
+    # cannot scale down before a full down window of data (the safe direction).
+    history = History.new(
+        max(settings.autoscale_up_window_s, settings.autoscale_down_window_s) + 600.0
+    )
+    autoscaler = SingletonLoop(
+        "autoscaler",
+        settings.autoscale_interval_s,
+        lambda: autoscale_once(engine, settings, history),
+        leadership,
+    )
+    return [reconciler, provisioner, autoscaler]

@@ -468,6 +468,12 @@ class Deployment(DeploymentBase, table=True):
     # Servers it should run on now (operators: `fleetctl spares boot`; later the autoscaler).
     # Provisioning holds it: short → spares boot (replacements too), over → servers return.
     target_servers: int = Field(default=0, ge=0, sa_column_kwargs={"server_default": "0"})
+    # The autoscaler (fleet/autoscaler/): manual mode (`fleetctl deployments scale D
+    # --replicas N` pins it), the calendar's floor, and its cooldown clocks.
+    pinned_replicas: int | None = Field(default=None, ge=0)
+    floor_servers: int = Field(default=0, ge=0, sa_column_kwargs={"server_default": "0"})
+    last_scale_up_at: datetime | None = _ts(default=None)
+    last_scale_down_at: datetime | None = _ts(default=None)
     created_at: datetime = _ts(default_factory=utcnow)
     updated_at: datetime = _ts(default_factory=utcnow)
 
@@ -571,3 +577,18 @@ class ProbeReference(SQLModel, table=True):
     answer: str = Field(max_length=20000)
     recorded_at: datetime = _ts(default_factory=utcnow)
     recorded_from: str = Field(max_length=63)  # the server whose answer became the reference
+
+
+class ScalingDecision(SQLModel, table=True):
+    """One autoscaler decision: the rule that fired, the target before and after, the inputs."""
+
+    __tablename__ = "scaling_decision"
+
+    id: int | None = Field(default=None, primary_key=True)
+    deployment: str = Field(max_length=63, index=True)
+    at: datetime = _ts(default_factory=utcnow)
+    rule: str = Field(max_length=32)
+    target_before: int
+    target_after: int
+    reason: str = Field(max_length=1000)
+    inputs: dict[str, Any] = _json(dict)

@@ -92,6 +92,13 @@ class Settings(BaseSettings):
     # remediation stops until a person resumes it.
     breaker_share: float = Field(default=0.2, gt=0, le=1)
     breaker_window_s: float = Field(default=600.0, gt=0)
+    # The autoscaler (fleet/autoscaler/): a tick of the leader, the queue-per-GPU target and
+    # the windows a signal must hold before it scales (up quickly, down slowly).
+    autoscale_interval_s: float = Field(default=15.0, gt=0)
+    autoscale_queue_per_gpu: float = Field(default=10.0, gt=0)
+    autoscale_up_window_s: float = Field(default=60.0, ge=0)
+    autoscale_down_window_s: float = Field(default=600.0, ge=0)
+    autoscale_cooldown_down_s: float = Field(default=300.0, ge=0)
     # The inference-quality probe: each serving server's replicas answer a known prompt this
     # often (0: never); an answer unlike the deployment's reference drains the server.
     probe_interval_s: float = Field(default=300.0, ge=0)

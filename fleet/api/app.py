@@ -21,6 +21,7 @@ from fleet import db
 from fleet.api.metrics import FleetCollector, HttpMetrics, LoopCollector
 from fleet.api.routes import (
     agent,
+    autoscaler,
     deployments,
     health,
     inventory,
@@ -148,6 +149,7 @@ def create_app(
         events_routes,
         agent,
         provisioning,
+        autoscaler,
     ):
         app.include_router(module.router, prefix="/api/v1", responses=ERROR_RESPONSES)
     return app

@@ -1,0 +1,81 @@
+"""The autoscaler: its view of each deployment, its decisions, and manual mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+from sqlmodel import Session, col, select
+
+from fleet.api.deps import Operator, SessionDep, Viewer
+from fleet.autoscaler.service import status
+from fleet.errors import NotFoundError
+from fleet.models import Deployment, Event, ScalingDecision, utcnow
+
+router = APIRouter(tags=["autoscaler"])
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # Replicas to pin the deployment at (manual mode), or null to hand it back to the autoscaler.
+    replicas: int | None = Field(ge=0, le=100_000)
+
+
+@router.get("/autoscaler")
+def autoscaler_status(_: Viewer, session: SessionDep) -> dict[str, Any]:
+    """Per deployment: mode, target, serving, on the way, and the signals of its last decision."""
+    rows = status(session)
+    return {"count": len(rows), "results": rows}
+
+
+@router.get("/autoscaler/{deployment}/decisions")
+def decisions(
+    deployment: str,
+    _: Viewer,
+    session: SessionDep,
+    limit: int = Query(default=50, ge=1, le=1000),
+) -> dict[str, Any]:
+    """The deployment's decisions, newest first: rule, target before and after, inputs."""
+    _deployment(session, deployment)
+    rows = session.exec(
+        select(ScalingDecision)
+        .where(ScalingDecision.deployment == deployment)
+        .order_by(col(ScalingDecision.id).desc())
+        .limit(limit)
+    ).all()
+    return {"count": len(rows), "results": [r.model_dump() for r in rows]}
+
+
+@router.post("/deployments/{name}/scale")
+def scale(name: str, request: ScaleRequest, user: Operator, session: SessionDep) -> dict[str, Any]:
+    """Pin the deployment at `replicas` (manual mode: the autoscaler holds it there), or
+    `null` for automatic scaling again."""
+    deployment = _deployment(session, name)
+    deployment.pinned_replicas = request.replicas
+    session.add(deployment)
+    mode = f"pinned at {request.replicas} replicas" if request.replicas is not None else "automatic"
+    session.add(
+        Event(
+            at=utcnow(),
+            subject_type="deployment",
+            subject=name,
+            actor=user.actor,
+            kind="deployment.scale_mode",
+            message=f"scaling {mode}",
+            details={"pinned_replicas": request.replicas},
+        )
+    )
+    session.commit()
+    return {
+        "deployment": name,
+        "mode": "pinned" if request.replicas is not None else "auto",
+        "pinned_replicas": request.replicas,
+    }
+
+
+def _deployment(session: Session, name: str) -> Deployment:
+    row = session.exec(select(Deployment).where(Deployment.name == name)).first()
+    if row is None:
+        raise NotFoundError(f"no deployment named {name!r}")
+    return row

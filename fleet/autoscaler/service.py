@@ -1,0 +1,225 @@
+"""The autoscaler's I/O edge: signals from heartbeats in, targets and decision records out.
+
+Each tick (the leader's "autoscaler" loop) aggregates every deployment's fresh replica stats
+into `Signals` (fleet/autoscaler/policy.py), keeps a sliding history per deployment in memory
+(a new leader starts with empty windows: it cannot scale down before a full down window of
+data, which is the safe direction), asks `decide`, and writes the new `target_servers`, which
+the provisioner then makes true. Every change, and every change of rule while holding, is a
+`ScalingDecision` row with its inputs, and an Event.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from fleet.autoscaler.policy import DeploymentState, PolicyConfig, Signals, aggregate, decide
+from fleet.models import Deployment, Event, ScalingDecision, Server, utcnow
+from fleet.provisioning import get_autopilot
+from fleet.settings import Settings
+from fleet.states import ServerState
+
+ACTOR = "autoscaler"
+S = ServerState
+
+
+def policy_config(settings: Settings) -> PolicyConfig:
+    return PolicyConfig(
+        queue_per_gpu_target=settings.autoscale_queue_per_gpu,
+        up_window_s=settings.autoscale_up_window_s,
+        down_window_s=settings.autoscale_down_window_s,
+        cooldown_down_s=settings.autoscale_cooldown_down_s,
+    )
+
+
+@dataclass
+class History:
+    """Per-deployment sliding windows of signals, in this (leading) process's memory."""
+
+    keep_s: float
+    series: dict[str, deque[Signals]]
+    lock: threading.Lock
+
+    @classmethod
+    def new(cls, keep_s: float) -> History:
+        return cls(keep_s, {}, threading.Lock())
+
+    def add(self, name: str, signals: Signals) -> list[Signals]:
+        with self.lock:
+            window = self.series.setdefault(name, deque())
+            window.append(signals)
+            while window and window[0].at < signals.at - self.keep_s:
+                window.popleft()
+            return list(window)
+
+
+def replicas_per_server(deployment: Deployment, gpus_per_server: int) -> int:
+    return max(1, gpus_per_server // max(1, deployment.gpus_per_replica))
+
+
+def servers_for_replicas(replicas: int, per_server: int) -> int:
+    return math.ceil(replicas / per_server) if replicas > 0 else 0
+
+
+def autoscale_once(
+    engine: Engine,
+    settings: Settings,
+    history: History,
+    *,
+    now: Callable[[], datetime] = utcnow,
+) -> list[ScalingDecision]:
+    """One tick over every deployment; returns the decisions recorded."""
+    at = now()
+    epoch = at.timestamp()
+    config = policy_config(settings)
+    fresh_after = at - timedelta(seconds=3 * settings.heartbeat_interval_s)
+    recorded: list[ScalingDecision] = []
+    with Session(engine) as session:
+        if get_autopilot(session).paused:
+            return []
+        for deployment in list(session.exec(select(Deployment))):
+            servers = list(
+                session.exec(select(Server).where(Server.deployment_id == deployment.id))
+            )
+            serving = [s for s in servers if s.state == S.SERVING]
+            fresh = [
+                {"gpu_count": s.gpu_count, "replicas": s.replicas}
+                for s in serving
+                if s.last_heartbeat_at is not None and s.last_heartbeat_at >= fresh_after
+            ]
+            signals = aggregate(fresh, epoch) if fresh else Signals(epoch, None, None, None, None)
+            window = history.add(deployment.name, signals)
+            state = _state(session, deployment, servers, settings)
+            decision = decide(state, window, epoch, config)
+            row = _record(session, deployment, decision, at)
+            if row is not None:
+                recorded.append(row)
+        session.commit()
+    return recorded
+
+
+def _state(
+    session: Session, deployment: Deployment, servers: list[Server], settings: Settings
+) -> DeploymentState:
+    gpus = max((s.gpu_count for s in servers), default=0) or _typical_gpus(session, deployment)
+    per_server = replicas_per_server(deployment, gpus)
+    boots = sorted(
+        s.boot_to_ready_s
+        for s in session.exec(select(Server).where(col(Server.boot_to_ready_s).is_not(None)))
+        if s.boot_to_ready_s is not None and s.gpu_model in (deployment.gpu_models or [s.gpu_model])
+    )
+    boot_p90 = (
+        boots[min(len(boots) - 1, int(0.9 * len(boots)))] if boots else settings.boot_deadline_s / 2
+    )
+    pinned = (
+        servers_for_replicas(deployment.pinned_replicas, per_server)
+        if deployment.pinned_replicas is not None
+        else None
+    )
+    return DeploymentState(
+        name=deployment.name,
+        sla_p95_s=deployment.sla_p95_latency_ms / 1000.0,
+        sla_ttft_s=deployment.sla_ttft_ms / 1000.0,
+        gpus_per_server=max(gpus, 1),
+        min_servers=servers_for_replicas(deployment.min_replicas, per_server),
+        max_servers=servers_for_replicas(deployment.max_replicas, per_server),
+        floor=deployment.floor_servers,
+        target=deployment.target_servers,
+        serving=sum(s.state == S.SERVING for s in servers),
+        on_the_way=sum(s.state in (S.BOOTING, S.LOADING) for s in servers),
+        boot_p90_s=boot_p90,
+        pinned=pinned,
+        last_up_at=deployment.last_scale_up_at.timestamp() if deployment.last_scale_up_at else None,
+        last_down_at=(
+            deployment.last_scale_down_at.timestamp() if deployment.last_scale_down_at else None
+        ),
+    )
+
+
+def _typical_gpus(session: Session, deployment: Deployment) -> int:
+    """GPUs per server of the spares it could get (before it runs anywhere)."""
+    counts = [
+        s.gpu_count
+        for s in session.exec(select(Server).where(Server.state == S.WARM))
+        if not deployment.gpu_models or s.gpu_model in deployment.gpu_models
+    ]
+    return max(counts, default=8)
+
+
+def _record(
+    session: Session, deployment: Deployment, decision: Any, at: datetime
+) -> ScalingDecision | None:
+    last = session.exec(
+        select(ScalingDecision)
+        .where(ScalingDecision.deployment == deployment.name)
+        .order_by(col(ScalingDecision.id).desc())
+        .limit(1)
+    ).first()
+    changed = decision.target != deployment.target_servers
+    if not changed and last is not None and last.rule == decision.rule:
+        return None  # holding for the same reason: one row says it
+    row = ScalingDecision(
+        deployment=deployment.name,
+        at=at,
+        rule=decision.rule,
+        target_before=deployment.target_servers,
+        target_after=decision.target,
+        reason=decision.reason[:1000],
+        inputs=dict(decision.inputs),
+    )
+    session.add(row)
+    if changed:
+        if decision.target > deployment.target_servers:
+            deployment.last_scale_up_at = at
+        else:
+            deployment.last_scale_down_at = at
+        session.add(
+            Event(
+                at=at,
+                subject_type="deployment",
+                subject=deployment.name,
+                actor=ACTOR,
+                kind="deployment.scaled",
+                message=f"target {deployment.target_servers} → {decision.target}: "
+                f"{decision.reason}"[:2000],
+                details={"rule": decision.rule, "delta": decision.delta},
+            )
+        )
+        deployment.target_servers = decision.target
+        session.add(deployment)
+    return row
+
+
+def status(session: Session) -> list[dict[str, Any]]:
+    """Per deployment: target, serving, on the way, and the last decision's signals."""
+    out = []
+    for deployment in session.exec(select(Deployment).order_by(col(Deployment.name))):
+        servers = list(session.exec(select(Server).where(Server.deployment_id == deployment.id)))
+        last = session.exec(
+            select(ScalingDecision)
+            .where(ScalingDecision.deployment == deployment.name)
+            .order_by(col(ScalingDecision.id).desc())
+            .limit(1)
+        ).first()
+        out.append(
+            {
+                "deployment": deployment.name,
+                "mode": "pinned" if deployment.pinned_replicas is not None else "auto",
+                "pinned_replicas": deployment.pinned_replicas,
+                "target": deployment.target_servers,
+                "serving": sum(s.state == S.SERVING for s in servers),
+                "on_the_way": sum(s.state in (S.BOOTING, S.LOADING) for s in servers),
+                "last_rule": last.rule if last else None,
+                "last_reason": last.reason if last else None,
+                "signals": dict(last.inputs) if last else {},
+            }
+        )
+    return out
