@@ -1170,6 +1170,99 @@ def autopilot_resume(
 
 
 # ---------------------------------------------------------------------------------------------
+# The autoscaler (fleet/autoscaler/)
+
+autoscaler_app = _typer("The autoscaler: its view, its decisions and why.")
+app.add_typer(autoscaler_app, name="autoscaler")
+AUTOSCALER_COLUMNS = [
+    ("deployment", "deployment"),
+    ("mode", "mode"),
+    ("target", "target #"),
+    ("serving", "serving #"),
+    ("on_the_way", "booting #"),
+    ("queue_per_gpu", "queue/GPU"),
+    ("kv_use", "KV use"),
+    ("p95_latency_s", "p95 s"),
+    ("last_rule", "last rule"),
+]
+DECISION_COLUMNS = [
+    ("at", "time"),
+    ("rule", "rule"),
+    ("target_before", "from #"),
+    ("target_after", "to #"),
+    ("reason", "why"),
+]
+
+
+@autoscaler_app.command("status")
+@handled
+def autoscaler_status(
+    url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
+) -> None:
+    """Per deployment: mode, target, serving, booting, and the signals it last saw."""
+    rows = _api(url, token).get("/api/v1/autoscaler")["results"]
+    for row in rows:
+        for key in ("queue_per_gpu", "kv_use", "p95_latency_s"):
+            value = row["signals"].get(key)
+            row[key] = round(value, 3) if isinstance(value, float) else value
+    _show(rows, output, AUTOSCALER_COLUMNS)
+
+
+@autoscaler_app.command("history")
+@handled
+def autoscaler_history(
+    deployment: str,
+    limit: Annotated[int, typer.Option("--limit")] = 20,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """The deployment's scaling decisions, newest first."""
+    body = _api(url, token).get(f"/api/v1/autoscaler/{deployment}/decisions", limit=limit)
+    _show(body["results"], output, DECISION_COLUMNS)
+
+
+@autoscaler_app.command("explain")
+@handled
+def autoscaler_explain(
+    deployment: str, url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
+) -> None:
+    """The last decision for the deployment: the rule, why, and every input it used."""
+    body = _api(url, token).get(f"/api/v1/autoscaler/{deployment}/decisions", limit=1)
+    if not body["results"]:
+        raise CliError(f"no decision for {deployment} yet (the autoscaler runs in the leader)")
+    last = body["results"][0]
+    if output is Output.JSON:
+        _show(last, output)
+        return
+    typer.echo(
+        f"{deployment}: {last['rule']} at {last['at']}: target {last['target_before']} → "
+        f"{last['target_after']}"
+    )
+    typer.echo(f"why: {last['reason']}")
+    _show(last["inputs"], output, title="inputs")
+
+
+@deployments_app.command("scale")
+@handled
+def deployments_scale(
+    name: str,
+    replicas: Annotated[
+        int | None, typer.Option("--replicas", min=0, help="Pin at this many replicas.")
+    ] = None,
+    auto: Annotated[bool, typer.Option("--auto", help="Back to automatic scaling.")] = False,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Pin a deployment at N replicas (manual mode), or hand it back with --auto."""
+    if (replicas is None) == (not auto):
+        raise CliError("give --replicas N (manual mode) or --auto, not both")
+    body = {"replicas": None if auto else replicas}
+    row = _api(url, token).request("POST", f"/api/v1/deployments/{name}/scale", json=body)
+    typer.echo(f"{name}: " + ("automatic" if row["mode"] == "auto" else f"pinned at {replicas}"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The virtual colo (fleet/lab/colo.py): BMC emulators and simulated servers, for demos and tests
 
 lab_app = _typer("The virtual colo: real BMC emulators, simulated GPU servers (demo, tests).")

@@ -599,6 +599,13 @@ def _run_every_command(
     cmd(("autopilot", "pause"), "--reason", "cli")
     cmd(("autopilot", "resume"))
     cmd(("events",), "--follow", "--follow-for", "0.5", "--limit", "5")
+    cmd(("autoscaler", "status"))
+    cmd(("autoscaler", "status"), "-o", "json")
+    cmd(("autoscaler", "history"), DEPLOYMENT)
+    cmd(("autoscaler", "explain"), DEPLOYMENT, code=1)  # no decision yet: one line
+    cmd(("deployments", "scale"), DEPLOYMENT, "--replicas", "2")
+    cmd(("deployments", "scale"), DEPLOYMENT, "--auto")
+    cmd(("deployments", "scale"), DEPLOYMENT, code=1)  # neither: one line
 
     # The virtual colo's commands on a file full of passwords and on a lab that is not up:
     # one line each, no echo (the lab's own run is tests/test_lab.py).
