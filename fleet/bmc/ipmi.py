@@ -187,7 +187,9 @@ def _revive_io_thread() -> None:
     has died (e.g. `select()` raised), every IPMI call in the process would wait for answers
     nobody reads. Start a new one, once, and say so."""
     thread = pyghmi_session.iothread
-    if thread is None or thread.is_alive():
+    # Not started yet (`ident` is None: pyghmi assigns the thread before it starts it, while
+    # another caller may be looking) is not dead.
+    if thread is None or thread.ident is None or thread.is_alive():
         return
     with _registry_lock:
         if pyghmi_session.iothread is not thread:
