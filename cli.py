@@ -452,6 +452,8 @@ def serve(
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
+    # The DMTF redfish library logs every request attempt at INFO: our own lines say more.
+    logging.getLogger("redfish").setLevel(max(logging.WARNING, logging.root.level))
     host, port = host or settings.listen_host, port or settings.listen_port
     engine = app_.state.engine
     if import_file is not None:
