@@ -329,12 +329,13 @@ def test_the_agent_never_imports_the_fleet_service() -> None:
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             names: list[str] = []
+            line = 0
             if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
+                names, line = [alias.name for alias in node.names], node.lineno
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
+                names, line = [node.module], node.lineno
             offenders += [
-                f"{path.relative_to(ROOT)}:{node.lineno}: {name}"
+                f"{path.relative_to(ROOT)}:{line}: {name}"
                 for name in names
                 if name == "fleet" or name.startswith("fleet.")
             ]
