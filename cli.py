@@ -260,7 +260,11 @@ def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:,.0f}"
+        # Watts and seconds read as whole numbers; fractions (queue per GPU, KV use) keep
+        # three significant digits.
+        if value.is_integer() or abs(value) >= 100:
+            return f"{value:,.0f}"
+        return f"{value:.3g}"
     if isinstance(value, list | dict):
         return json.dumps(value) if value else "-"
     return str(value)

@@ -37,6 +37,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
         up_window_s=settings.autoscale_up_window_s,
         down_window_s=settings.autoscale_down_window_s,
         cooldown_down_s=settings.autoscale_cooldown_down_s,
+        cooldown_up_s=settings.autoscale_up_window_s,  # the policy's own rule of thumb
     )
 
 
@@ -82,7 +83,7 @@ def autoscale_once(
     config = policy_config(settings)
     fresh_after = at - timedelta(seconds=3 * settings.heartbeat_interval_s)
     recorded: list[ScalingDecision] = []
-    with Session(engine) as session:
+    with Session(engine, expire_on_commit=False) as session:
         if get_autopilot(session).paused:
             return []
         for deployment in list(session.exec(select(Deployment))):
@@ -177,10 +178,13 @@ def _record(
     )
     session.add(row)
     if changed:
-        if decision.target > deployment.target_servers:
-            deployment.last_scale_up_at = at
-        else:
-            deployment.last_scale_down_at = at
+        # Bounds (min, the calendar's floor) and manual pins are not scaling decisions of
+        # the policy's own: they must not start its cooldowns and hold a real scale-up back.
+        if decision.rule not in ("min", "floor", "pinned"):
+            if decision.target > deployment.target_servers:
+                deployment.last_scale_up_at = at
+            else:
+                deployment.last_scale_down_at = at
         session.add(
             Event(
                 at=at,
