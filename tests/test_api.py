@@ -127,6 +127,7 @@ REAL_NAMES = {
     "racks": "fra1-r01",
     "sites": "fra1",
     "deployments": "llama-8b",
+    "autoscaler": "llama-8b",  # /autoscaler/{deployment}/decisions
 }
 
 
