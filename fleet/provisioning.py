@@ -378,7 +378,17 @@ class _Steps:
                 session.add(server)
                 session.commit()
                 action = "cycle" if server.boot_kind == "cycle" else "on"
-                error = self._power(name, action)
+                try:
+                    error = self._power(name, action)
+                except ServerBusy:
+                    # Another power action (a reconciler read) holds the server: nothing went
+                    # out, so the write-ahead mark goes and the next tick tries again.
+                    with Session(self.engine) as again:
+                        row = self._load(again, name)
+                        row.power_on_sent_at = None
+                        again.add(row)
+                        again.commit()
+                    return
                 if error is not None:
                     with Session(self.engine) as again:
                         row = self._load(again, name)
@@ -593,7 +603,15 @@ class _Steps:
                 server.power_off_sent_at = self.now
                 session.add(server)
                 session.commit()
-                error = self._power(name, "off")
+                try:
+                    error = self._power(name, "off")
+                except ServerBusy:  # nothing went out: try again next tick
+                    with Session(self.engine) as again:
+                        row = self._load(again, name)
+                        row.power_off_sent_at = None
+                        again.add(row)
+                        again.commit()
+                    return
                 if error is not None:
                     self.report.errors.append(f"{name}: {error}")
                 return
@@ -762,6 +780,9 @@ def _check_breaker(session: Session, settings: Settings, autopilot: Autopilot) -
     if not total:
         return False
     since = utcnow() - timedelta(seconds=settings.breaker_window_s)
+    # A person who resumed has seen what was before: only what happens after counts.
+    if autopilot.changed_at is not None and autopilot.changed_at > since:
+        since = autopilot.changed_at
     # Count servers, not events: a flapping server is one.
     sick_servers = session.exec(
         select(sa.func.count(sa.distinct(col(Event.subject)))).where(

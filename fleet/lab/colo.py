@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -113,12 +114,18 @@ if sys.platform == "linux":  # resolved here: the child of fork() should only ca
     _prctl.restype = ctypes.c_int
 
 
-def free_port_block(count: int, attempts: int = 50) -> int:
-    """A base port with `count` free 127.0.0.1 TCP ports from it (bounded search)."""
+# Engine ports come from below the kernel's ephemeral range (Linux: 32768-60999), so that no
+# outgoing connection of another process can take one between our check and the engine's bind.
+_BLOCK_RANGE = (20_000, 32_000)
+
+
+def free_port_block(count: int, attempts: int = 200) -> int:
+    """A base port with `count` free 127.0.0.1 TCP ports from it, outside the ephemeral range
+    (a bounded random search)."""
+    rng = random.Random()
+    low, high = _BLOCK_RANGE
     for _ in range(attempts):
-        base = free_port()
-        if base + count >= 65_000:
-            continue
+        base = rng.randrange(low, high - count)
         held: list[socket.socket] = []
         try:
             for port in range(base, base + count):
@@ -131,7 +138,7 @@ def free_port_block(count: int, attempts: int = 50) -> int:
         finally:
             for sock in held:
                 sock.close()
-    raise LabError(f"no block of {count} free ports on {HOST}")
+    raise LabError(f"no block of {count} free ports on {HOST} in {low}-{high}")
 
 
 def _die_with_parent(parent: int) -> Callable[[], None] | None:
