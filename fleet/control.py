@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 
 from fleet import db
 from fleet.autoscaler.service import History, autoscale_once
+from fleet.calendar.service import calendar_once
 from fleet.crypto import SecretBox
 from fleet.leader import identity, leadership_for
 from fleet.loops import SingletonLoop
@@ -76,4 +77,12 @@ def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[Sing
         lambda: autoscale_once(engine, settings, history),
         leadership,
     )
-    return [reconciler, provisioner, autoscaler]
+
+    def calendar_tick() -> None:
+        # A firing raised a target: the provisioner boots now, not at its next tick, so that
+        # the boots start within one calendar tick of their time.
+        if calendar_once(engine, settings):
+            provisioner.wake()
+
+    calendar = SingletonLoop("calendar", settings.calendar_interval_s, calendar_tick, leadership)
+    return [reconciler, provisioner, autoscaler, calendar]

@@ -48,6 +48,7 @@ class SingletonLoop:
         self._leadership = leadership
         self._on_leadership = on_leadership
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -58,9 +59,14 @@ class SingletonLoop:
 
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         self._leadership.release()
+
+    def wake(self) -> None:
+        """Tick now rather than at the end of the interval (another loop has work for it)."""
+        self._wake.set()
 
     def run_once(self) -> bool:
         """One tick if this process leads; returns whether it led."""
@@ -101,5 +107,7 @@ class SingletonLoop:
                 self.run_once()
             except Exception:  # the lock check itself failed: try again next tick
                 log.exception("loop %s: leadership check failed", self.name)
-            # Ticks start `interval` apart; a tick longer than that is followed at once.
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+            # Ticks start `interval` apart (sooner when woken); a tick longer than that is
+            # followed at once.
+            self._wake.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+            self._wake.clear()

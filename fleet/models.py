@@ -592,3 +592,48 @@ class ScalingDecision(SQLModel, table=True):
     target_after: int
     reason: str = Field(max_length=1000)
     inputs: dict[str, Any] = _json(dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduled-scaling calendar (fleet/calendar/)
+
+
+class ScheduleEntryCreate(SQLModel):
+    """A calendar entry as an operator writes it: from each firing of `cron` (in `timezone`)
+    until `end_cron`'s next firing or for `duration_s`, at least `min_replicas`."""
+
+    model_config = SQLModelConfig(extra="forbid")
+
+    deployment: str = Field(max_length=63)
+    cron: str = Field(min_length=1, max_length=200)
+    timezone: str = Field(default="UTC", min_length=1, max_length=64)
+    min_replicas: int = Field(ge=1, le=100_000)
+    end_cron: str | None = Field(default=None, min_length=1, max_length=200)
+    duration_s: int | None = Field(default=None, gt=0, le=366 * 24 * 3600)
+    note: str = Field(default="", max_length=500)
+
+    @model_validator(mode="after")
+    def _one_end(self) -> ScheduleEntryCreate:
+        if (self.end_cron is None) == (self.duration_s is None):
+            raise ValueError("give exactly one end: end_cron (a cron expression) or duration_s")
+        return self
+
+
+class ScheduleEntry(SQLModel, table=True):
+    __tablename__ = "schedule_entry"
+
+    id: int | None = Field(default=None, primary_key=True)
+    deployment_id: int = Field(foreign_key="deployment.id", index=True)
+    cron: str = Field(max_length=200)
+    timezone: str = Field(max_length=64)
+    min_replicas: int
+    end_cron: str | None = Field(default=None, max_length=200)
+    duration_s: int | None = None
+    note: str = Field(default="", max_length=500)
+    created_at: datetime = _ts(default_factory=utcnow)
+    created_by: str = Field(max_length=100)
+    # Written by the leader's calendar tick only. `fired_for` is the start T of the last window
+    # it fired (or found missed): a window fires once, across replicas and restarts.
+    fired_for: datetime | None = _ts(default=None)
+    fired_at: datetime | None = _ts(default=None)  # None with fired_for set: missed
+    active_until: datetime | None = _ts(default=None)  # the open window's end (None: closed)

@@ -99,6 +99,12 @@ class Settings(BaseSettings):
     autoscale_up_window_s: float = Field(default=60.0, ge=0)
     autoscale_down_window_s: float = Field(default=600.0, ge=0)
     autoscale_cooldown_down_s: float = Field(default=300.0, ge=0)
+    # A GPU model's boot-to-ready time (power-on to serving) before any boot of it has been
+    # measured (HARDWARE.md: 10–15 min of POST on large GPU servers, 3–5 more for the GPU stack).
+    boot_estimate_s: float = Field(default=1200.0, gt=0)
+    # The scheduled-scaling calendar (fleet/calendar/): a tick of the leader. An entry fires
+    # one measured p90 boot-to-ready before its minute, within one tick.
+    calendar_interval_s: float = Field(default=30.0, gt=0)
     # The inference-quality probe: each serving server's replicas answer a known prompt this
     # often (0: never); an answer unlike the deployment's reference drains the server.
     probe_interval_s: float = Field(default=300.0, ge=0)

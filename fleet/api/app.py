@@ -27,6 +27,7 @@ from fleet.api.routes import (
     inventory,
     power,
     provisioning,
+    schedules,
     servers,
     sites,
 )
@@ -150,6 +151,7 @@ def create_app(
         agent,
         provisioning,
         autoscaler,
+        schedules,
     ):
         app.include_router(module.router, prefix="/api/v1", responses=ERROR_RESPONSES)
     return app

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from fleet.autoscaler.policy import DeploymentState, PolicyConfig, Signals, aggregate, decide
+from fleet.boot_times import measured_boots, p90
 from fleet.models import Deployment, Event, ScalingDecision, Server, utcnow
 from fleet.provisioning import get_autopilot
 from fleet.settings import Settings
@@ -86,6 +87,7 @@ def autoscale_once(
     with Session(engine, expire_on_commit=False) as session:
         if get_autopilot(session).paused:
             return []
+        boots = measured_boots(session)  # once a tick, for every deployment
         for deployment in list(session.exec(select(Deployment))):
             servers = list(
                 session.exec(select(Server).where(Server.deployment_id == deployment.id))
@@ -98,7 +100,7 @@ def autoscale_once(
             ]
             signals = aggregate(fresh, epoch) if fresh else Signals(epoch, None, None, None, None)
             window = history.add(deployment.name, signals)
-            state = _state(session, deployment, servers, settings)
+            state = _state(session, deployment, servers, settings, boots)
             decision = decide(state, window, epoch, config)
             row = _record(session, deployment, decision, at)
             if row is not None:
@@ -108,18 +110,21 @@ def autoscale_once(
 
 
 def _state(
-    session: Session, deployment: Deployment, servers: list[Server], settings: Settings
+    session: Session,
+    deployment: Deployment,
+    servers: list[Server],
+    settings: Settings,
+    boots: list[tuple[str, float]],
 ) -> DeploymentState:
-    gpus = max((s.gpu_count for s in servers), default=0) or _typical_gpus(session, deployment)
+    gpus = gpus_per_server(session, deployment, servers)
     per_server = replicas_per_server(deployment, gpus)
-    boots = sorted(
-        s.boot_to_ready_s
-        for s in session.exec(select(Server).where(col(Server.boot_to_ready_s).is_not(None)))
-        if s.boot_to_ready_s is not None and s.gpu_model in (deployment.gpu_models or [s.gpu_model])
+    boot_p90 = p90(
+        seconds
+        for model, seconds in boots
+        if not deployment.gpu_models or model in deployment.gpu_models
     )
-    boot_p90 = (
-        boots[min(len(boots) - 1, int(0.9 * len(boots)))] if boots else settings.boot_deadline_s / 2
-    )
+    if boot_p90 is None:
+        boot_p90 = settings.boot_estimate_s
     pinned = (
         servers_for_replicas(deployment.pinned_replicas, per_server)
         if deployment.pinned_replicas is not None
@@ -145,8 +150,13 @@ def _state(
     )
 
 
+def gpus_per_server(session: Session, deployment: Deployment, servers: list[Server]) -> int:
+    """GPUs per server of the deployment's servers, or (before it runs anywhere) of the spares
+    it could get."""
+    return max((s.gpu_count for s in servers), default=0) or _typical_gpus(session, deployment)
+
+
 def _typical_gpus(session: Session, deployment: Deployment) -> int:
-    """GPUs per server of the spares it could get (before it runs anywhere)."""
     counts = [
         s.gpu_count
         for s in session.exec(select(Server).where(Server.state == S.WARM))

@@ -1,0 +1,74 @@
+"""The scheduled-scaling calendar: entries, and previews of when they fire."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, status
+
+from fleet import schedules as service
+from fleet.api.deps import Operator, SessionDep, Viewer, get_settings
+from fleet.models import ScheduleEntryCreate, as_utc
+from fleet.settings import Settings
+
+router = APIRouter(prefix="/schedules", tags=["calendar"])
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+Count = Query(default=10, ge=1, le=service.MAX_PREVIEW)
+Start = Query(default=None, description="preview from here (ISO 8601; UTC if no offset)")
+
+
+@router.get("")
+def list_entries(
+    _: Viewer, session: SessionDep, settings: SettingsDep, deployment: str | None = None
+) -> dict[str, Any]:
+    rows = service.list_entries(session, settings, deployment)
+    return {"count": len(rows), "results": rows}
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def create_entry(
+    spec: ScheduleEntryCreate, user: Operator, session: SessionDep, settings: SettingsDep
+) -> dict[str, Any]:
+    return service.create_entry(session, spec, user.actor, settings)
+
+
+@router.post("/preview")
+def preview(
+    spec: ScheduleEntryCreate,
+    _: Viewer,
+    session: SessionDep,
+    settings: SettingsDep,
+    count: int = Count,
+    start: datetime | None = Start,
+) -> dict[str, Any]:
+    """The next windows of an entry not yet added."""
+    return service.preview(session, spec, settings, count=count, start=_utc(start))
+
+
+@router.get("/{entry_id}")
+def get_entry(
+    entry_id: int, _: Viewer, session: SessionDep, settings: SettingsDep
+) -> dict[str, Any]:
+    return service.get_entry(session, entry_id, settings)
+
+
+@router.get("/{entry_id}/preview")
+def preview_entry(
+    entry_id: int,
+    _: Viewer,
+    session: SessionDep,
+    settings: SettingsDep,
+    count: int = Count,
+    start: datetime | None = Start,
+) -> dict[str, Any]:
+    return service.preview_entry(session, entry_id, settings, count=count, start=_utc(start))
+
+
+@router.delete("/{entry_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_entry(entry_id: int, user: Operator, session: SessionDep) -> None:
+    service.delete_entry(session, entry_id, user.actor)
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    return None if value is None else as_utc(value)

@@ -1,0 +1,152 @@
+"""The calendar's pure logic: windows, when an entry fires, its lead time and its floor.
+
+An entry opens a window at each firing T of its start expression (the scheduled minute) until
+its end (the end expression's next firing after T, or T + a duration). While a window is open
+the entry's minimum is a floor under the autoscaler's target for its deployment.
+
+Bare metal needs 10–20 minutes from power-on to serving (HARDWARE.md), so a window *fires* one
+lead time early: the p90 of the measured boot-to-ready times of the GPU models it may boot (a
+configured default for a model never measured). The service ticks every `tick_s`; an entry
+fires at the first tick at or after T − lead − tick, so its boots start in
+[T − lead − tick, T − lead) and its capacity serves by T.
+
+The service and the simulator call these same functions; nothing here reads a clock or a
+database.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+
+from fleet.calendar.cron import Cron, zone
+
+# A catch-up after an outage looks back this far at most for an end-expression entry (whose
+# window length is not known before it opens): a week and a day covers weekly windows.
+END_CRON_LOOKBACK_S = 8 * 24 * 3600.0
+MAX_SCAN = 10_000  # cron firings stepped over in one search, at most (every loop is bounded)
+
+
+@dataclass(frozen=True)
+class Spec:
+    start: Cron
+    end: Cron | None = None
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.end is None) == (self.duration_s is None):
+            raise ValueError("an entry ends either by an end expression or after a duration")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError("the duration must be positive")
+
+    def window_end(self, start: datetime) -> datetime:
+        if self.duration_s is not None:
+            return start + timedelta(seconds=self.duration_s)
+        assert self.end is not None
+        end = self.end.next_after(start)
+        # An end expression that never fires again leaves the window open "for ever": a
+        # century is as long as any operator will wait.
+        return end if end is not None else start + timedelta(days=36500)
+
+    @property
+    def lookback_s(self) -> float:
+        return self.duration_s if self.duration_s is not None else END_CRON_LOOKBACK_S
+
+
+@dataclass(frozen=True)
+class Window:
+    start: datetime  # T: the capacity serves from here (UTC)
+    end: datetime
+    fire_at: datetime  # T − lead: the boots start here
+
+    def local(self, timezone: str) -> tuple[datetime, datetime, datetime]:
+        tz = zone(timezone)
+        return self.start.astimezone(tz), self.end.astimezone(tz), self.fire_at.astimezone(tz)
+
+
+@dataclass(frozen=True)
+class Due:
+    window: Window
+    action: Literal["fire", "missed"]  # missed: the window closed before anyone could fire it
+    late_s: float  # how far past its fire time this tick is (0: on time)
+
+
+def windows(spec: Spec, after: datetime, lead_s: float, count: int) -> list[Window]:
+    """The next `count` windows whose start is after `after` (a preview)."""
+    out: list[Window] = []
+    at = after
+    for _ in range(min(count, MAX_SCAN)):
+        start = spec.start.next_after(at)
+        if start is None:
+            break
+        out.append(Window(start, spec.window_end(start), start - timedelta(seconds=lead_s)))
+        at = start
+    return out
+
+
+def due(
+    spec: Spec,
+    handled: datetime | None,
+    now: datetime,
+    lead_s: float,
+    tick_s: float,
+) -> Due | None:
+    """The window to act on at this tick, if any: the latest one with start T after `handled`
+    (the last window this entry fired or missed) whose fire time is within a tick of `now`
+    (now ≥ T − lead − tick). Earlier unhandled windows are overtaken by it."""
+    horizon = now + timedelta(seconds=lead_s + tick_s)
+    floor = now - timedelta(seconds=spec.lookback_s + lead_s + tick_s)
+    at = max(handled, floor) if handled is not None else floor
+    latest: datetime | None = None
+    for _ in range(MAX_SCAN):
+        start = spec.start.next_after(at)
+        if start is None or start > horizon:
+            break
+        latest = at = start
+    if latest is None:
+        return None
+    window = Window(latest, spec.window_end(latest), latest - timedelta(seconds=lead_s))
+    if window.end <= now:
+        return Due(window, "missed", (now - window.fire_at).total_seconds())
+    return Due(window, "fire", max(0.0, (now - window.fire_at).total_seconds()))
+
+
+@dataclass(frozen=True)
+class Lead:
+    seconds: float
+    basis: str  # what it was measured on, for the decision's reason
+
+
+def lead_time(models: list[str], measured: dict[str, tuple[float, int]], default_s: float) -> Lead:
+    """The lead for spares of `models`: the slowest model's p90 boot-to-ready, so that the
+    capacity serves by T whichever of them placement picks; `default_s` for a model never
+    measured."""
+    if not models:
+        return Lead(default_s, "no spare to boot: default")
+    worst: tuple[float, str] = (-1.0, "")
+    for model in sorted(set(models)):
+        if model in measured:
+            seconds, n = measured[model]
+            basis = f"{model}, {n} boot{'s' if n != 1 else ''} measured"
+        else:
+            seconds, basis = default_s, f"{model} never measured: default"
+        if seconds > worst[0]:
+            worst = (seconds, basis)
+    return Lead(worst[0], worst[1])
+
+
+def floor_servers(min_replicas: int, replicas_per_server: int) -> int:
+    return math.ceil(min_replicas / max(1, replicas_per_server)) if min_replicas > 0 else 0
+
+
+def minutes(seconds: float) -> str:
+    """17 min, 45 s, 1 h 5 min: a duration as an operator reads it."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    total = round(seconds / 60)
+    hours, mins = divmod(total, 60)
+    if hours:
+        return f"{hours} h {mins} min" if mins else f"{hours} h"
+    return f"{mins} min"
