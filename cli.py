@@ -337,6 +337,51 @@ def agent_run(
         raise CliError(str(exc)) from exc
 
 
+router_app = _typer("The GPU-aware request router (OpenAI-compatible).")
+app.add_typer(router_app, name="router")
+
+
+@router_app.command("run")
+@handled
+def router_run(
+    fleet_url: Annotated[
+        str | None, typer.Option("--fleet-url", help="[FLEET_ROUTER_FLEET_URL]")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="[FLEET_ROUTER_LISTEN_HOST]")] = None,
+    port: Annotated[int | None, typer.Option(help="[FLEET_ROUTER_LISTEN_PORT]")] = None,
+    strategy: Annotated[
+        str | None,
+        typer.Option(help="Default strategy for every deployment [FLEET_ROUTER_STRATEGY]."),
+    ] = None,
+    table: Annotated[
+        Path | None,
+        typer.Option("--table", help="A routing table file instead of the fleet service."),
+    ] = None,
+) -> None:
+    """Run the router (token from FLEET_ROUTER_TOKEN; every setting as FLEET_ROUTER_*)."""
+    from fleet.router.config import RouterSettings
+    from fleet.router.main import bind, run
+
+    given = {
+        "fleet_url": fleet_url,
+        "listen_host": host,
+        "listen_port": port,
+        "strategy": strategy,
+        "table_file": table,
+    }
+    options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    settings = RouterSettings(**options)
+    if settings.table_file is None and settings.token is None:
+        raise CliError("no token: set FLEET_ROUTER_TOKEN (a viewer token is enough) or --table")
+    sock = bind(settings)
+    typer.echo(
+        f"router on http://{settings.listen_host}:{sock.getsockname()[1]}, "
+        f"strategy {settings.strategy}",
+        err=True,
+    )
+    run(settings, sock)
+
+
 @db_app.command("upgrade")
 @handled
 def db_upgrade() -> None:

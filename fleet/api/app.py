@@ -27,6 +27,7 @@ from fleet.api.routes import (
     inventory,
     power,
     provisioning,
+    routing,
     schedules,
     servers,
     sites,
@@ -152,6 +153,7 @@ def create_app(
         provisioning,
         autoscaler,
         schedules,
+        routing,
     ):
         app.include_router(module.router, prefix="/api/v1", responses=ERROR_RESPONSES)
     return app

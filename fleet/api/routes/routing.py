@@ -1,0 +1,23 @@
+"""The routing table the router reads: deployments and their replicas that may take traffic."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+
+from fleet.api.deps import SessionDep, Viewer, get_settings
+from fleet.routing_table import routing_table
+from fleet.settings import Settings
+
+router = APIRouter(tags=["routing"])
+
+
+@router.get("/routing")
+def routing(
+    _: Viewer, session: SessionDep, settings: Annotated[Settings, Depends(get_settings)]
+) -> dict[str, Any]:
+    """Per deployment: the names requests may use for it, engine limits, SLAs, and the ready
+    replicas of its serving servers with a fresh heartbeat (engine and agent URLs)."""
+    rows = routing_table(session, settings)
+    return {"count": len(rows), "results": rows}

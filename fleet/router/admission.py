@@ -1,0 +1,62 @@
+"""The router's bounded waiting room, per deployment (pure: no clock, no I/O).
+
+When every replica of a deployment is at its concurrency limit, a request waits here;
+interactive requests leave before batch ones (FIFO within a class). Beyond `bound` waiting
+requests the router answers 429 with Retry-After: a bounded queue keeps latency bounded and
+tells clients to back off, where an unbounded one would only hide the overload. The depth is an
+autoscaler signal.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Generic, Literal, TypeVar
+
+Priority = Literal["interactive", "batch"]
+PRIORITIES: tuple[Priority, ...] = ("interactive", "batch")
+T = TypeVar("T")
+
+
+class AdmissionQueue(Generic[T]):
+    def __init__(self, bound: int) -> None:
+        if bound < 0:
+            raise ValueError("the queue bound must be at least 0")
+        self.bound = bound
+        self._waiting: dict[Priority, deque[T]] = {p: deque() for p in PRIORITIES}
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    def depth(self, priority: Priority) -> int:
+        return len(self._waiting[priority])
+
+    def push(self, item: T, priority: Priority) -> bool:
+        """Queue `item`; False when the queue is full (the caller answers 429)."""
+        if len(self) >= self.bound:
+            return False
+        self._waiting[priority].append(item)
+        return True
+
+    def peek(self) -> T | None:
+        """The item `pop` would return, left in place."""
+        for priority in PRIORITIES:
+            if self._waiting[priority]:
+                return self._waiting[priority][0]
+        return None
+
+    def pop(self) -> T | None:
+        """The next item to admit: the oldest interactive one, else the oldest batch one."""
+        for priority in PRIORITIES:
+            if self._waiting[priority]:
+                return self._waiting[priority].popleft()
+        return None
+
+    def remove(self, item: T) -> bool:
+        """Take back an item that gave up waiting (timeout, client gone)."""
+        for queue in self._waiting.values():
+            try:
+                queue.remove(item)
+                return True
+            except ValueError:
+                continue
+        return False

@@ -1,0 +1,68 @@
+"""The router's settings: `FLEET_ROUTER_*` environment variables (or `fleetctl router run`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fleet.router.strategy import DEFAULT_STRATEGY, PREFILL_WEIGHT, STRATEGIES
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLEET_ROUTER_", extra="ignore")
+
+    # Where the routing table comes from (GET /api/v1/routing; a viewer token is enough).
+    fleet_url: str = Field(default="http://127.0.0.1:8080", pattern=r"^https?://\S+$")
+    token: SecretStr | None = None
+    # Or a routing table in a file (JSON or YAML: the `results` of GET /api/v1/routing), re-read
+    # every fleet_poll_s: a router without the fleet service (benchmarks, a static setup).
+    table_file: Path | None = None
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (tests)
+    # The worker view: the routing table this often, every listed agent's /state this often.
+    fleet_poll_s: float = Field(default=2.0, gt=0)
+    agent_poll_s: float = Field(default=0.25, gt=0)
+    agent_timeout_s: float = Field(default=0.5, gt=0)
+    # Strategies: the default, and per deployment ({"llama-8b": "least_pending"}).
+    strategy: str = DEFAULT_STRATEGY
+    strategies: dict[str, str] = Field(default_factory=dict)
+    prefill_weight: float = Field(default=PREFILL_WEIGHT, ge=0)
+    # Requests in flight per replica through this router at most: the deployment's engine
+    # max_batch_size when it sets one, else this. Beyond it requests wait in the router's queue.
+    replica_limit: int = Field(default=64, ge=1)
+    # The waiting room per deployment: beyond `queue_bound` → 429 with Retry-After; a request
+    # that waits longer than `queue_timeout_s` → 503 with Retry-After.
+    queue_bound: int = Field(default=512, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    retry_after_s: int = Field(default=1, ge=1)
+    # Connect errors and 503s before the first byte go to another replica (this many tries in
+    # all); a replica failing `eject_after` times in a row gets nothing for `eject_s`.
+    attempts: int = Field(default=3, ge=1, le=10)
+    eject_after: int = Field(default=3, ge=1)
+    eject_s: float = Field(default=10.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    request_timeout_s: float = Field(default=900.0, gt=0)  # a whole generation, at most
+    log_level: str = "INFO"
+
+    @field_validator("strategy")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in STRATEGIES:
+            raise ValueError(f"unknown routing strategy {value!r} (one of {', '.join(STRATEGIES)})")
+        return value
+
+    @field_validator("strategies")
+    @classmethod
+    def _all_known(cls, value: dict[str, str]) -> dict[str, str]:
+        for deployment, name in value.items():
+            if name not in STRATEGIES:
+                raise ValueError(
+                    f"{deployment}: unknown routing strategy {name!r} "
+                    f"(one of {', '.join(STRATEGIES)})"
+                )
+        return value
+
+    def strategy_for(self, deployment: str) -> str:
+        return self.strategies.get(deployment, self.strategy)

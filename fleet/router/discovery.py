@@ -1,0 +1,172 @@
+"""The router's worker view: the fleet's routing table, then every agent's /state.
+
+- Every `fleet_poll_s`: GET /api/v1/routing — the deployments, the names requests may use for
+  each, and the replicas of serving servers with a fresh heartbeat. New replicas join with the
+  cost model's capacity prior; gone ones leave (requests in flight on them finish and close
+  their books on the objects they hold).
+- Every `agent_poll_s` (250 ms): each listed agent's /state — whether it is ready (not
+  draining, GPUs healthy), each replica's state, queue, running requests and KV use. Never the
+  engines' /metrics, which empties on read (the agent is its one reader). An agent that does
+  not answer twice in a row marks its replicas not ready: a killed or drained server gets no
+  new request within two polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import yaml
+
+from fleet.router.admission import AdmissionQueue
+from fleet.router.config import RouterSettings
+from fleet.router.estimates import Throughput, prior_capacity
+from fleet.router.pool import DeploymentPool
+from fleet.router.strategy import Replica, make
+
+log = logging.getLogger(__name__)
+AGENT_MISSES_NOT_READY = 2
+
+
+class WorkerView:
+    def __init__(self, settings: RouterSettings, http: aiohttp.ClientSession) -> None:
+        self.settings = settings
+        self.http = http
+        self.pools: dict[str, DeploymentPool] = {}
+        self.by_model: dict[str, DeploymentPool] = {}
+        self.agents: dict[str, list[Replica]] = {}  # agent URL -> its replicas
+        self.agent_misses: dict[str, int] = {}
+        self.table_ok = False
+        self.on_change: Callable[[], None] = lambda: None
+
+    # -- the routing table ----------------------------------------------------------------
+
+    async def poll_fleet(self) -> None:
+        if self.settings.table_file is not None:
+            loaded = yaml.safe_load(self.settings.table_file.read_text())
+            self.apply_table(loaded["results"] if isinstance(loaded, dict) else loaded)
+            self.table_ok = True
+            return
+        headers = {}
+        if self.settings.token is not None:
+            headers["Authorization"] = f"Bearer {self.settings.token.get_secret_value()}"
+        url = f"{self.settings.fleet_url.rstrip('/')}/api/v1/routing"
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with self.http.get(url, headers=headers, timeout=timeout) as response:
+            if response.status != 200:
+                text = (await response.text())[:200]
+                raise RuntimeError(f"GET {url}: HTTP {response.status}: {text}")
+            body = await response.json()
+        self.apply_table(body["results"])
+        self.table_ok = True
+
+    def apply_table(self, rows: list[dict[str, Any]]) -> None:
+        seen: set[str] = set()
+        by_model: dict[str, DeploymentPool] = {}
+        agents: dict[str, list[Replica]] = {}
+        for row in rows:
+            name = row["deployment"]
+            seen.add(name)
+            pool = self.pools.get(name)
+            if pool is None:
+                pool = self._new_pool(name)
+                self.pools[name] = pool
+            pool.models = frozenset(row.get("models") or [name])
+            limit = int(row.get("max_batch_size") or self.settings.replica_limit)
+            current: dict[str, Replica] = {}
+            for item in row.get("replicas") or []:
+                url = str(item["url"]).rstrip("/")
+                replica = pool.replicas.get(url)
+                if replica is None:
+                    prior = prior_capacity(
+                        item.get("gpu_model", ""),
+                        row.get("model_uri", ""),
+                        tp_size=int(row.get("tp_size") or 1),
+                        concurrency=limit,
+                        prefill_weight=self.settings.prefill_weight,
+                    )
+                    replica = Replica(
+                        url=url,
+                        server=item.get("server", ""),
+                        gpu_model=item.get("gpu_model", ""),
+                        capacity=prior,
+                        # Not ready until its agent says so (the first /state poll decides);
+                        # a replica listed without an agent (a static table) is taken as ready.
+                        ready=not item.get("agent_url"),
+                    )
+                    pool.throughput[url] = Throughput(prior)
+                replica.models = pool.models
+                replica.limit = limit
+                current[url] = replica
+                agent = item.get("agent_url")
+                if agent:
+                    agents.setdefault(str(agent).rstrip("/"), []).append(replica)
+            pool.replicas = current
+            pool.throughput = {u: m for u, m in pool.throughput.items() if u in current}
+            for model in pool.models:
+                by_model.setdefault(model, pool)
+        for name in list(self.pools):
+            if name not in seen and not len(self.pools[name].queue):
+                del self.pools[name]
+        self.by_model = by_model
+        self.agents = agents
+        self.agent_misses = {a: self.agent_misses.get(a, 0) for a in agents}
+        self.on_change()
+
+    def _new_pool(self, name: str) -> DeploymentPool:
+        s = self.settings
+        return DeploymentPool(
+            name=name,
+            strategy=make(s.strategy_for(name), s.prefill_weight),
+            queue=AdmissionQueue(s.queue_bound),
+            prefill_weight=s.prefill_weight,
+            eject_after=s.eject_after,
+            eject_s=s.eject_s,
+        )
+
+    # -- the agents -----------------------------------------------------------------------
+
+    async def poll_agents(self) -> None:
+        if self.agents:
+            await asyncio.gather(*(self._poll_agent(url) for url in list(self.agents)))
+            self.on_change()
+
+    async def _poll_agent(self, url: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.agent_timeout_s)
+        try:
+            async with self.http.get(f"{url}/state", timeout=timeout) as response:
+                state = await response.json() if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            state = None
+        replicas = self.agents.get(url, [])
+        if state is None:
+            misses = self.agent_misses.get(url, 0) + 1
+            self.agent_misses[url] = misses
+            if misses >= AGENT_MISSES_NOT_READY:
+                for replica in replicas:
+                    replica.ready = False
+            return
+        self.agent_misses[url] = 0
+        apply_agent_state(replicas, state)
+
+
+def apply_agent_state(replicas: list[Replica], state: dict[str, Any]) -> None:
+    """An agent's /state onto its replicas: ready only if the agent is ready (not draining,
+    GPUs healthy) and the replica itself is."""
+    agent_ready = bool(state.get("ready")) and not state.get("draining")
+    reported = {
+        str(r.get("url", "")).rstrip("/"): r for r in state.get("replicas") or [] if r.get("url")
+    }
+    for replica in replicas:
+        row = reported.get(replica.url)
+        if row is None:
+            replica.ready = False
+            continue
+        replica.ready = agent_ready and row.get("state") == "ready"
+        replica.queued = int(row.get("queued") or 0)
+        replica.running = int(row.get("running") or 0)
+        kv = row.get("kv_used_fraction")
+        replica.kv_use = float(kv) if isinstance(kv, int | float) else None

@@ -1,0 +1,112 @@
+"""What the router learns as requests finish (pure: numbers in, numbers out; the clock is passed).
+
+- `OutputEstimate`: per deployment, how many tokens an answer runs to — a running mean of what
+  finished requests actually wrote. The router never knows a request's true length in advance;
+  it expects min(max_tokens, this estimate).
+- `Throughput`: per replica, the work (strategy.py's units) it completes per busy second,
+  measured over windows in which it ran at least `min_concurrency` requests on average (a
+  replica running one request at a time shows its per-stream speed, not its capacity). Until
+  then, and as the starting point, a prior from the engine cost model for its GPU and model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agents.engine import cost_model
+from fleet.router.strategy import PREFILL_WEIGHT
+
+NOMINAL_PROMPT = 1000  # tokens: the prior's request shape (a chat turn with context)
+NOMINAL_OUTPUT = 200
+
+
+@dataclass
+class OutputEstimate:
+    value: float = 256.0  # before anything finished: a middling answer
+    samples: int = 0
+    horizon: int = 200  # a plain mean over the first `horizon` answers, then an EWMA of that span
+
+    def expected(self, max_tokens: int | None) -> float:
+        return min(float(max_tokens), self.value) if max_tokens else self.value
+
+    def observe(self, output_tokens: int) -> None:
+        self.samples += 1
+        weight = 1.0 / min(self.samples, self.horizon)
+        self.value += (output_tokens - self.value) * weight
+
+
+@dataclass
+class Throughput:
+    value: float  # work units per second (the prior until measured)
+    min_concurrency: float = 4.0
+    window_s: float = 2.0
+    alpha: float = 0.3
+    _work: float = 0.0
+    _area: float = 0.0  # ∫ in-flight dt over the window (request-seconds)
+    _busy: float = 0.0  # seconds with at least one request in flight
+    _since: float | None = None  # start of the window
+    _last: float = 0.0  # last change of the in-flight count
+    _inflight: int = 0
+    measured: bool = False
+
+    def _advance(self, now: float) -> None:
+        if self._since is None:
+            self._since = self._last = now
+            return
+        span = max(0.0, now - self._last)
+        self._area += span * self._inflight
+        if self._inflight:
+            self._busy += span
+        self._last = now
+
+    def started(self, now: float) -> None:
+        self._advance(now)
+        self._inflight += 1
+
+    def finished(self, now: float, work: float) -> None:
+        self._advance(now)
+        self._inflight = max(0, self._inflight - 1)
+        self._work += work
+        assert self._since is not None
+        if now - self._since >= self.window_s:
+            self._close(now)
+
+    def _close(self, now: float) -> None:
+        assert self._since is not None
+        span = now - self._since
+        if self._busy > 0 and span > 0 and self._area / span >= self.min_concurrency:
+            sample = self._work / self._busy
+            self.value = (
+                sample if not self.measured else self.value + self.alpha * (sample - self.value)
+            )
+            self.measured = True
+        self._work = self._area = self._busy = 0.0
+        self._since = now
+
+
+def prior_capacity(
+    gpu_model: str,
+    model: str,
+    *,
+    tp_size: int = 1,
+    concurrency: int = 64,
+    prefill_weight: float = PREFILL_WEIGHT,
+) -> float:
+    """Work units per second the cost model predicts for `model` on `gpu_model` at
+    `concurrency` streams of the nominal shape; 1.0 for hardware it does not know (the
+    measurement then takes over)."""
+    try:
+        shape = cost_model.EngineShape(
+            gpu=cost_model.gpu_spec(gpu_model),
+            model=cost_model.guess_model(model),
+            tp_size=max(1, tp_size),
+        )
+        itl = cost_model.predicted_itl_s(shape, concurrency, NOMINAL_PROMPT, NOMINAL_OUTPUT)
+        decode = cost_model.predicted_decode_tokens_per_s(
+            shape, concurrency, NOMINAL_PROMPT, NOMINAL_OUTPUT
+        )
+    except ValueError:
+        return 1.0
+    batch = decode * itl  # requests decoding per iteration
+    prefill_per_iter = batch * NOMINAL_PROMPT / NOMINAL_OUTPUT
+    return (batch + prefill_weight * prefill_per_iter) / itl

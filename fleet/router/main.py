@@ -1,0 +1,53 @@
+"""`fleetctl router run`: the router as its own process (aiohttp on one event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+
+from aiohttp import web
+
+from fleet.router.config import RouterSettings
+from fleet.router.proxy import Router
+
+
+async def serve(settings: RouterSettings, sock: socket.socket, stop: asyncio.Event) -> None:
+    """Serve on `sock` until `stop` is set."""
+    router = Router(settings)
+    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.SockSite(runner, sock, backlog=2048)
+    await site.start()
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def bind(settings: RouterSettings) -> socket.socket:
+    family = socket.AF_INET6 if ":" in settings.listen_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.listen_host, settings.listen_port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def run(settings: RouterSettings, sock: socket.socket | None = None) -> None:
+    """Run until SIGTERM or SIGINT."""
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    sock = sock or bind(settings)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await serve(settings, sock, stop)
+
+    asyncio.run(main())

@@ -1,0 +1,169 @@
+"""One deployment's replicas in the router: choosing, waiting, and the exact in-flight books.
+
+`acquire` asks the deployment's strategy for a replica and books the request on it (in-flight
+count, prompt tokens, expected output); when none is available the request waits in the
+bounded admission queue (interactive before batch) until a `release` or a view update frees
+one. `release` closes the books and feeds what was learned (output length, throughput) back.
+
+Single-threaded: everything runs on the router's event loop, so no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fleet.router.admission import AdmissionQueue, Priority
+from fleet.router.estimates import OutputEstimate, Throughput
+from fleet.router.strategy import PREFILL_WEIGHT, Replica, Request, RoutingStrategy
+
+
+class QueueFull(Exception):
+    """Every replica is busy and the waiting room is full: 429."""
+
+
+class NoReplica(Exception):
+    """Nothing to send to (no replica, or none freed up in time): 503."""
+
+
+@dataclass
+class Ticket:
+    """One request's booking on a replica, kept until release (the replica may have left the
+    routing table by then: the books are closed on the object itself)."""
+
+    replica: Replica
+    request: Request
+    started: float
+    output_seen: int = 0  # tokens streamed so far
+    released: bool = False
+
+    def streamed(self, tokens: int) -> None:
+        """Tokens seen in the stream: the expected remainder shrinks as they arrive."""
+        if tokens <= 0 or self.released:
+            return
+        before = max(0.0, self.request.expected_output - self.output_seen)
+        self.output_seen += tokens
+        after = max(0.0, self.request.expected_output - self.output_seen)
+        self.replica.output_left = max(0.0, self.replica.output_left - (before - after))
+
+
+@dataclass
+class _Waiter:
+    request: Request
+    exclude: frozenset[str]
+    future: asyncio.Future[Ticket]
+
+
+@dataclass
+class DeploymentPool:
+    name: str
+    strategy: RoutingStrategy
+    queue: AdmissionQueue[_Waiter]
+    models: frozenset[str] = frozenset()
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    throughput: dict[str, Throughput] = field(default_factory=dict)
+    estimate: OutputEstimate = field(default_factory=OutputEstimate)
+    prefill_weight: float = PREFILL_WEIGHT
+    clock: Callable[[], float] = time.monotonic
+    failures: dict[str, int] = field(default_factory=dict)  # in a row, per replica URL
+    eject_after: int = 3
+    eject_s: float = 10.0
+
+    # -- choosing -------------------------------------------------------------------------
+
+    def _choose(self, request: Request, exclude: frozenset[str]) -> Replica | None:
+        candidates = [r for url, r in self.replicas.items() if url not in exclude]
+        return self.strategy.choose(candidates, request, self.clock())
+
+    def _book(self, replica: Replica, request: Request) -> Ticket:
+        now = self.clock()
+        replica.inflight += 1
+        replica.prompt_inflight += request.prompt_tokens
+        replica.output_left += request.expected_output
+        meter = self.throughput.get(replica.url)
+        if meter is not None:
+            meter.started(now)
+        return Ticket(replica, request, now)
+
+    async def acquire(
+        self,
+        request: Request,
+        priority: Priority,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        timeout: float,
+    ) -> Ticket:
+        if not any(url not in exclude for url in self.replicas):
+            raise NoReplica(f"deployment {self.name!r} has no replica to send to")
+        # Waiters first: a new request never overtakes one already waiting for the same class.
+        if not len(self.queue):
+            replica = self._choose(request, exclude)
+            if replica is not None:
+                return self._book(replica, request)
+        waiter = _Waiter(request, exclude, asyncio.get_running_loop().create_future())
+        if not self.queue.push(waiter, priority):
+            raise QueueFull(
+                f"deployment {self.name!r}: every replica is busy and {self.queue.bound} "
+                "requests are waiting"
+            )
+        self.pump()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        except TimeoutError:
+            if self.queue.remove(waiter):
+                raise NoReplica(
+                    f"deployment {self.name!r}: no replica freed up within {timeout:g} s"
+                ) from None
+            # Admitted at the very moment it timed out: take the booking.
+            return waiter.future.result()
+        except asyncio.CancelledError:  # the client went away while waiting
+            if not self.queue.remove(waiter) and waiter.future.done():
+                self.release(waiter.future.result(), output_tokens=0, ok=False, failed=False)
+            raise
+
+    def pump(self) -> None:
+        """Admit waiters, best first, while replicas are available."""
+        while True:
+            waiter = self.queue.peek()
+            if waiter is None:
+                return
+            replica = self._choose(waiter.request, waiter.exclude)
+            if replica is None:
+                return
+            self.queue.pop()
+            if waiter.future.done():  # cancelled meanwhile
+                continue
+            waiter.future.set_result(self._book(replica, waiter.request))
+
+    # -- closing the books ----------------------------------------------------------------
+
+    def release(self, ticket: Ticket, *, output_tokens: int, ok: bool, failed: bool) -> None:
+        """The request is over: `ok` with `output_tokens` written, or not; `failed` when the
+        replica itself failed it (connect error, 5xx before any byte)."""
+        if ticket.released:
+            return
+        ticket.released = True
+        replica, request = ticket.replica, ticket.request
+        now = self.clock()
+        replica.inflight = max(0, replica.inflight - 1)
+        replica.prompt_inflight = max(0, replica.prompt_inflight - request.prompt_tokens)
+        left = max(0.0, request.expected_output - ticket.output_seen)
+        replica.output_left = max(0.0, replica.output_left - left)
+        meter = self.throughput.get(replica.url)
+        if meter is not None:
+            work = request.prompt_tokens * self.prefill_weight + output_tokens if ok else 0.0
+            meter.finished(now, work)
+            replica.capacity = meter.value
+        if ok:
+            self.estimate.observe(output_tokens)
+        if failed:
+            count = self.failures.get(replica.url, 0) + 1
+            self.failures[replica.url] = count
+            if count >= self.eject_after:
+                replica.ejected_until = now + self.eject_s
+                self.failures[replica.url] = 0
+        elif ok:
+            self.failures.pop(replica.url, None)
+        self.pump()

@@ -1,0 +1,363 @@
+"""The router's HTTP front: OpenAI-compatible, on aiohttp (server and forwarding client).
+
+aiohttp on both sides: on this machine an httpx-based proxy measured ten times slower than an
+aiohttp one (PERFORMANCE.md), and the forwarding client is what bounds a proxy.
+
+Per request: the body is read once and forwarded unchanged; `model` selects the deployment;
+`x-fleet-priority: interactive|batch` (default interactive) its class in the waiting room. The
+deployment's strategy picks a replica (or the request waits; 429 + Retry-After when the room
+is full). Connect errors and 503s before the first byte go to another replica (at most
+`attempts` in all); once a byte has reached the client the request stays where it is. SSE
+streams pass through chunk by chunk; the time to the first chunk is the TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from fleet.router.admission import PRIORITIES, Priority
+from fleet.router.config import RouterSettings
+from fleet.router.discovery import WorkerView
+from fleet.router.metrics import RouterMetrics
+from fleet.router.pool import DeploymentPool, NoReplica, QueueFull, Ticket
+from fleet.router.strategy import Request
+from fleet.router.tokens import max_output, prompt_tokens
+
+log = logging.getLogger(__name__)
+PRIORITY_HEADER = "x-fleet-priority"
+_HOP_HEADERS = {"content-type", "cache-control", "x-request-id"}
+
+
+def openai_error(
+    status: int, message: str, kind: str, *, retry_after: int | None = None
+) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+class _Retry(Exception):
+    """The replica failed before the first byte: try another."""
+
+
+class Router:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self.http: aiohttp.ClientSession | None = None
+        self.view: WorkerView | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/state", self.state)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        s = self.settings
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        self.http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.view = WorkerView(s, self.http)
+        self.view.on_change = self._views_changed
+        self._tasks = [
+            asyncio.create_task(self._every(s.fleet_poll_s, self.view.poll_fleet, "fleet")),
+            asyncio.create_task(self._every(s.agent_poll_s, self.view.poll_agents, "agents")),
+        ]
+
+    async def _stop(self, _: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.http is not None:
+            await self.http.close()
+
+    async def _every(self, interval: float, poll: Any, what: str) -> None:
+        failing = False
+        while True:
+            started = time.monotonic()
+            try:
+                await poll()
+                if failing:
+                    log.info("router: %s poll works again", what)
+                failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep polling: the view stays as it was
+                if not failing:
+                    log.warning("router: %s poll failed: %s", what, exc)
+                failing = True
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def _views_changed(self) -> None:
+        assert self.view is not None
+        for pool in self.view.pools.values():
+            pool.pump()  # a replica became ready: admit waiters
+            self.metrics.pool(pool)
+
+    # -- small endpoints ------------------------------------------------------------------
+
+    async def healthz(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, _: web.Request) -> web.Response:
+        ok = self.view is not None and self.view.table_ok
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, _: web.Request) -> web.Response:
+        names = sorted(self.view.by_model) if self.view else []
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "fleet"} for n in names]
+        return web.json_response({"object": "list", "data": data})
+
+    async def state(self, _: web.Request) -> web.Response:
+        """The router's view, for operators and tests."""
+        pools = self.view.pools.values() if self.view else []
+        return web.json_response(
+            {
+                "deployments": [
+                    {
+                        "deployment": p.name,
+                        "models": sorted(p.models),
+                        "strategy": p.strategy.name,
+                        "queue": {c: p.queue.depth(c) for c in PRIORITIES},
+                        "expected_output_tokens": round(p.estimate.value, 1),
+                        "replicas": [
+                            {
+                                "url": r.url,
+                                "server": r.server,
+                                "gpu_model": r.gpu_model,
+                                "ready": r.ready,
+                                "inflight": r.inflight,
+                                "limit": r.limit,
+                                "queued": r.queued,
+                                "running": r.running,
+                                "kv_use": r.kv_use,
+                                "capacity": round(r.capacity, 1),
+                                "ejected": r.ejected_until > time.monotonic(),
+                            }
+                            for r in p.replicas.values()
+                        ],
+                    }
+                    for p in pools
+                ]
+            }
+        )
+
+    # -- the proxy ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=True)
+
+    async def _proxy(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            return openai_error(400, "the body must be a JSON object", "invalid_request_error")
+        model = body.get("model")
+        pool = self.view.by_model.get(model) if self.view and isinstance(model, str) else None
+        if pool is None or not isinstance(model, str):
+            served = ", ".join(sorted(self.view.by_model)) if self.view else ""
+            return openai_error(
+                404,
+                f"model {model!r} is not served here (served: {served or 'none'})",
+                "invalid_request_error",
+            )
+        priority_text = request.headers.get(PRIORITY_HEADER, "interactive").strip().lower()
+        if priority_text not in PRIORITIES:
+            return openai_error(
+                400,
+                f"{PRIORITY_HEADER} must be interactive or batch, not {priority_text!r}",
+                "invalid_request_error",
+            )
+        priority: Priority = "interactive" if priority_text == "interactive" else "batch"
+        cost = Request(
+            model=model,
+            prompt_tokens=prompt_tokens(body, chat),
+            expected_output=pool.estimate.expected(max_output(body)),
+        )
+        stream = bool(body.get("stream"))
+        started = time.monotonic()
+        tried: set[str] = set()
+        s = self.settings
+        status = "error"
+        try:
+            for attempt in range(s.attempts):
+                self.metrics.queue_depth(pool)
+                try:
+                    ticket = await pool.acquire(
+                        cost, priority, exclude=frozenset(tried), timeout=s.queue_timeout_s
+                    )
+                except QueueFull as exc:
+                    status = "429"
+                    return openai_error(
+                        429, str(exc), "rate_limit_error", retry_after=s.retry_after_s
+                    )
+                except NoReplica as exc:
+                    status = "503"
+                    if attempt and tried:
+                        exc = NoReplica(f"{exc} (tried {len(tried)} that failed)")
+                    return openai_error(
+                        503, str(exc), "service_unavailable", retry_after=s.retry_after_s
+                    )
+                finally:
+                    self.metrics.queue_depth(pool)
+                self.metrics.inflight(pool, ticket.replica)
+                try:
+                    response = await self._forward(request, raw, pool, ticket, stream, started)
+                except _Retry:
+                    tried.add(ticket.replica.url)
+                    continue
+                status = str(response.status)
+                return response
+            status = "503"
+            return openai_error(
+                503,
+                f"deployment {pool.name!r}: {len(tried)} replicas failed before answering",
+                "service_unavailable",
+                retry_after=s.retry_after_s,
+            )
+        finally:
+            self.metrics.finished(pool.name, priority, status, time.monotonic() - started)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        raw: bytes,
+        pool: DeploymentPool,
+        ticket: Ticket,
+        stream: bool,
+        started: float,
+    ) -> web.StreamResponse:
+        """One try on the ticket's replica. Raises _Retry when it failed before any byte
+        reached the client; otherwise the response (complete, or a stream cut short)."""
+        assert self.http is not None
+        s = self.settings
+        url = ticket.replica.url + request.path
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        timeout = aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s)
+        response: web.StreamResponse | None = None
+        output_tokens, ok, failed = 0, False, False
+        try:
+            async with self.http.post(url, data=raw, headers=headers, timeout=timeout) as upstream:
+                if upstream.status == 503:  # draining or overloaded: another replica may answer
+                    failed = True
+                    raise _Retry
+                kind = upstream.headers.get("Content-Type", "")
+                if stream and upstream.status == 200 and kind.startswith("text/event-stream"):
+                    response = web.StreamResponse(status=200, headers=_passed(upstream))
+                    await response.prepare(request)  # bytes are out: no retry from here on
+                    output_tokens = await self._relay(upstream, response, pool, ticket, started)
+                    await response.write_eof()
+                    ok = True
+                    return response
+                data = await upstream.read()
+                self.metrics.ttft(pool.name, time.monotonic() - started)
+                if upstream.status == 200:
+                    output_tokens, ok = _completion_tokens(data), True
+                return web.Response(body=data, status=upstream.status, headers=_passed(upstream))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if response is None:
+                failed = True
+                log.info("router: %s failed before answering: %s", ticket.replica.url, exc)
+                raise _Retry from exc
+            log.warning("router: stream from %s cut after it began: %s", ticket.replica.url, exc)
+            return response
+        except ConnectionResetError:  # the client went away mid-stream
+            assert response is not None
+            return response
+        finally:
+            pool.release(ticket, output_tokens=output_tokens, ok=ok, failed=failed)
+            self.metrics.inflight(pool, ticket.replica)
+            if ok:
+                self.metrics.output(pool.name, output_tokens)
+
+    async def _relay(
+        self,
+        upstream: aiohttp.ClientResponse,
+        response: web.StreamResponse,
+        pool: DeploymentPool,
+        ticket: Ticket,
+        started: float,
+    ) -> int:
+        """Pass the SSE stream through chunk by chunk; count its events (one per token chunk)
+        and take the usage figure when the engine sends one."""
+        tokens = 0
+        usage: int | None = None
+        pending = b""
+        first = True
+        async for chunk in upstream.content.iter_any():
+            if first:
+                self.metrics.ttft(pool.name, time.monotonic() - started)
+                first = False
+            await response.write(chunk)
+            pending += chunk
+            *events, pending = pending.split(b"\n\n")
+            seen = 0
+            for event in events:
+                if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+                    continue
+                if b'"usage"' in event:
+                    usage = _usage_tokens(event[6:]) or usage
+                if b'"role"' in event and not _has_text(event[6:]):
+                    continue  # a chat stream's opening chunk: the role, no token yet
+                if b'"choices":[]' not in event and b'"choices": []' not in event:
+                    seen += 1
+            tokens += seen
+            ticket.streamed(seen)
+        return usage if usage is not None else tokens
+
+
+def _passed(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() in _HOP_HEADERS}
+
+
+def _usage_tokens(data: bytes) -> int | None:
+    try:
+        usage = json.loads(data).get("usage") or {}
+    except (ValueError, AttributeError):
+        return None
+    value = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) else None
+
+
+def _has_text(data: bytes) -> bool:
+    try:
+        choices = json.loads(data).get("choices") or []
+    except (ValueError, AttributeError):
+        return True
+    return any(
+        (c.get("delta") or {}).get("content") or c.get("text")
+        for c in choices
+        if isinstance(c, dict)
+    )
+
+
+def _completion_tokens(data: bytes) -> int:
+    return _usage_tokens(data) or 0

@@ -1,0 +1,194 @@
+"""Routing strategies: which ready replica gets the next request (pure; the simulator imports it).
+
+Round-robin fails on GPU inference: requests differ by orders of magnitude in cost (a 20-token
+answer to a 2,000-token prompt, or 1,000 tokens of output to a short one) and GPUs differ in
+speed (an L40S decodes a 70B model at about a quarter of an H200's rate). The strategies:
+
+- `round_robin`: the next replica in turn (the baseline).
+- `least_pending`: the fewest requests in flight through this router (its own exact count),
+  the engine's reported queue breaking ties.
+- `least_kv`: the lowest KV-cache use the engine reports (the seed's "least GPU memory").
+- `estimated_completion_time`: the replica that would finish the request soonest: its
+  outstanding work (prompt tokens in flight, which the router counts exactly, weighted by
+  `prefill_weight`, plus the output tokens it still expects of them) plus the request's own cost,
+  divided by its measured throughput (`capacity`, work units per second).
+- `model_affinity`: a wrapper that keeps a model on the replicas that have it loaded, and lets
+  a hot model spread to the others when those are saturated. The default strategy is
+  `estimated_completion_time` behind affinity.
+
+A replica at its concurrency limit, not ready, or ejected after failures is never chosen; when
+every replica is, `choose` returns None and the request waits in the router's queue.
+
+One work unit is one output token; a prompt token costs `prefill_weight` of one. The default
+(0.15) comes from the engine cost model (agents/engine/cost_model.py): at a serving batch of
+~32 a decode step spends the weight-streaming time on 32 tokens, while a prompt token in the
+same iteration adds only its arithmetic, about a seventh of a decode token's share.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+PREFILL_WEIGHT = 0.15
+STRATEGIES = (
+    "round_robin",
+    "least_pending",
+    "least_kv",
+    "estimated_completion_time",
+    "model_affinity",
+)
+DEFAULT_STRATEGY = "model_affinity"  # behind it: estimated_completion_time
+
+
+@dataclass
+class Replica:
+    """The router's view of one engine: what its agent reports (polled) and what the router
+    itself has in flight there (exact)."""
+
+    url: str  # the engine's base URL: the replica's identity
+    server: str = ""
+    gpu_model: str = ""
+    models: frozenset[str] = frozenset()
+    limit: int = 64  # requests in flight through this router at most
+    # From the agent's /state (polled; a fraction of a second old)
+    ready: bool = True
+    queued: int = 0
+    running: int = 0
+    kv_use: float | None = None
+    # The router's own accounting
+    inflight: int = 0
+    prompt_inflight: int = 0  # prompt tokens of the requests in flight
+    output_left: float = 0.0  # output tokens the requests in flight are still expected to write
+    capacity: float = 1.0  # measured throughput, work units per second (see the module doc)
+    ejected_until: float = 0.0  # monotonic seconds; after repeated failures
+
+    def available(self, now: float) -> bool:
+        return self.ready and self.inflight < self.limit and now >= self.ejected_until
+
+    def work(self, prefill_weight: float = PREFILL_WEIGHT) -> float:
+        return self.prompt_inflight * prefill_weight + self.output_left
+
+
+@dataclass(frozen=True)
+class Request:
+    model: str
+    prompt_tokens: int
+    expected_output: float  # the deployment's running estimate, capped by max_tokens
+
+    def cost(self, prefill_weight: float = PREFILL_WEIGHT) -> float:
+        return self.prompt_tokens * prefill_weight + self.expected_output
+
+
+class RoutingStrategy(Protocol):
+    name: str
+
+    def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
+        """The replica for `request`, or None when none is available."""
+        ...
+
+
+def _open(replicas: Sequence[Replica], now: float) -> list[Replica]:
+    return [r for r in replicas if r.available(now)]
+
+
+@dataclass
+class RoundRobin:
+    name: str = "round_robin"
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
+        if not replicas:
+            return None
+        # The turn walks the full list, so that a replica skipped while busy keeps its place.
+        start = next(self._turn)
+        for i in range(len(replicas)):
+            candidate = replicas[(start + i) % len(replicas)]
+            if candidate.available(now):
+                return candidate
+        return None
+
+
+@dataclass
+class _Scored:
+    """Lowest score wins; ties go round the candidates in turn (no replica is everyone's
+    favourite just for sorting first)."""
+
+    name: str
+    score: Callable[[Replica, Request], tuple[float, ...]]
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
+        candidates = _open(replicas, now)
+        if not candidates:
+            return None
+        offset = next(self._turn) % len(candidates)
+        rotated = candidates[offset:] + candidates[:offset]
+        return min(rotated, key=lambda r: self.score(r, request))
+
+
+def least_pending() -> _Scored:
+    return _Scored("least_pending", lambda r, _: (float(r.inflight), float(r.queued)))
+
+
+def least_kv() -> _Scored:
+    return _Scored("least_kv", lambda r, _: (r.kv_use or 0.0, float(r.inflight)))
+
+
+def completion_time(
+    replica: Replica, request: Request, prefill_weight: float = PREFILL_WEIGHT
+) -> float:
+    """Seconds until `replica` would finish `request` after everything it has in flight."""
+    return (replica.work(prefill_weight) + request.cost(prefill_weight)) / max(
+        replica.capacity, 1e-9
+    )
+
+
+def estimated_completion_time(prefill_weight: float = PREFILL_WEIGHT) -> _Scored:
+    return _Scored(
+        "estimated_completion_time",
+        lambda r, q: (completion_time(r, q, prefill_weight), float(r.inflight)),
+    )
+
+
+@dataclass
+class ModelAffinity:
+    """Replicas with the model loaded first; a hot model spreads to the rest when the best of
+    those would take more than `spread` times the best elsewhere (or none is available)."""
+
+    inner: RoutingStrategy
+    spread: float = 2.0
+    prefill_weight: float = PREFILL_WEIGHT
+    name: str = "model_affinity"
+
+    def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
+        loaded = [r for r in replicas if request.model in r.models]
+        if not loaded or len(loaded) == len(replicas):
+            return self.inner.choose(replicas, request, now)
+        pick = self.inner.choose(loaded, request, now)
+        others = [r for r in replicas if request.model not in r.models]
+        elsewhere = self.inner.choose(others, request, now)
+        if pick is None or elsewhere is None:
+            return pick or elsewhere
+        here = completion_time(pick, request, self.prefill_weight)
+        there = completion_time(elsewhere, request, self.prefill_weight)
+        return elsewhere if here > self.spread * there else pick
+
+
+def make(name: str, prefill_weight: float = PREFILL_WEIGHT) -> RoutingStrategy:
+    """A fresh strategy by name (each deployment gets its own: the turn counters are state)."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_pending":
+        return least_pending()
+    if name == "least_kv":
+        return least_kv()
+    if name == "estimated_completion_time":
+        return estimated_completion_time(prefill_weight)
+    if name == "model_affinity":
+        return ModelAffinity(
+            estimated_completion_time(prefill_weight), prefill_weight=prefill_weight
+        )
+    raise ValueError(f"unknown routing strategy {name!r} (one of {', '.join(STRATEGIES)})")
