@@ -416,7 +416,7 @@ def secret_key() -> None:
 @token_app.command("create")
 @handled
 def token_create(
-    role: Annotated[str, typer.Option("--role", help="admin, operator, viewer or agent")],
+    role: Annotated[str, typer.Option("--role", help="admin, operator, router, viewer or agent")],
     name: Annotated[str | None, typer.Option("--name", help="Who or what holds it.")] = None,
     server: Annotated[
         str | None, typer.Option("--server", help="Agent tokens: the server.")

@@ -15,7 +15,7 @@ TOKEN_PREFIX = "flt_"
 MAX_TOKEN_NAME = 80
 # Who may do what: each role includes the ones after it. Agents are outside this ladder: their
 # tokens only reach the agent endpoints, for their own server.
-_RANK = {Role.ADMIN: 3, Role.OPERATOR: 2, Role.VIEWER: 1, Role.AGENT: 0}
+_RANK = {Role.ADMIN: 4, Role.OPERATOR: 3, Role.ROUTER: 2, Role.VIEWER: 1, Role.AGENT: 0}
 
 
 @dataclass(frozen=True, slots=True)

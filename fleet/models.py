@@ -132,6 +132,7 @@ class Role(StrEnum):
     ADMIN = "admin"
     OPERATOR = "operator"
     VIEWER = "viewer"
+    ROUTER = "router"  # a viewer that may also report its load (fleet/router/)
     AGENT = "agent"
 
 
@@ -637,3 +638,20 @@ class ScheduleEntry(SQLModel, table=True):
     fired_for: datetime | None = _ts(default=None)
     fired_at: datetime | None = _ts(default=None)  # None with fired_for set: missed
     active_until: datetime | None = _ts(default=None)  # the open window's end (None: closed)
+
+
+class RouterReport(SQLModel, table=True):
+    """A router's latest view of one deployment: requests waiting in it and the latency its
+    clients see. The autoscaler adds the waiting to the engines' queues and takes the worse of
+    the router's and the engines' p95 (fleet/autoscaler/policy.py, `aggregate`)."""
+
+    __tablename__ = "router_report"
+    __table_args__ = (sa.UniqueConstraint("router", "deployment"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    router: str = Field(max_length=100)
+    deployment: str = Field(max_length=63, index=True)
+    at: datetime = _ts(default_factory=utcnow)
+    waiting: int = Field(default=0, ge=0)
+    p95_s: float | None = None
+    ttft_p95_s: float | None = None

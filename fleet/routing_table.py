@@ -12,9 +12,12 @@ from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import urlparse
 
+import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import Session, col, select
 
-from fleet.models import Deployment, Server, utcnow
+from fleet.autoscaler.policy import RouterLoad
+from fleet.models import Deployment, RouterReport, Server, utcnow
 from fleet.settings import Settings
 from fleet.states import ServerState
 
@@ -72,3 +75,60 @@ def routing_table(
             }
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Routers' load reports (the autoscaler's view of what waits in front of the engines)
+
+
+class DeploymentLoad(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    waiting: int = Field(ge=0, le=10_000_000)
+    p95_s: float | None = Field(default=None, ge=0)
+    ttft_p95_s: float | None = Field(default=None, ge=0)
+
+
+class LoadReport(BaseModel):
+    """POST /api/v1/routing/report: one router's view, every deployment it routes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    router: str = Field(min_length=1, max_length=100)
+    deployments: dict[str, DeploymentLoad] = Field(max_length=10_000)
+
+
+def record_report(session: Session, report: LoadReport, *, now: datetime | None = None) -> int:
+    """Upsert the router's row per deployment (one transaction); returns the rows written."""
+    at = now or utcnow()
+    rows = {
+        r.deployment: r
+        for r in session.exec(select(RouterReport).where(RouterReport.router == report.router))
+    }
+    for deployment, load in report.deployments.items():
+        row = rows.get(deployment) or RouterReport(router=report.router, deployment=deployment)
+        row.at, row.waiting = at, load.waiting
+        row.p95_s, row.ttft_p95_s = load.p95_s, load.ttft_p95_s
+        session.add(row)
+    # A restarted router reports under a new name: its old rows go after an hour.
+    session.execute(sa.delete(RouterReport).where(col(RouterReport.at) < at - timedelta(hours=1)))
+    session.commit()
+    return len(report.deployments)
+
+
+def router_loads(session: Session, fresh_after: datetime) -> dict[str, RouterLoad]:
+    """Per deployment, over the routers that reported since `fresh_after`: the waiting summed,
+    the worst p95s."""
+    out: dict[str, RouterLoad] = {}
+    for row in session.exec(select(RouterReport).where(RouterReport.at >= fresh_after)):
+        seen = out.get(row.deployment, RouterLoad())
+        out[row.deployment] = RouterLoad(
+            waiting=seen.waiting + row.waiting,
+            p95_s=_max(seen.p95_s, row.p95_s),
+            ttft_p95_s=_max(seen.ttft_p95_s, row.ttft_p95_s),
+        )
+    return out
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)

@@ -99,6 +99,8 @@ class Settings(BaseSettings):
     autoscale_up_window_s: float = Field(default=60.0, ge=0)
     autoscale_down_window_s: float = Field(default=600.0, ge=0)
     autoscale_cooldown_down_s: float = Field(default=300.0, ge=0)
+    # Routers report their load every few seconds (fleet/router/); older reports are ignored.
+    router_report_stale_s: float = Field(default=30.0, gt=0)
     # A GPU model's boot-to-ready time (power-on to serving) before any boot of it has been
     # measured (HARDWARE.md: 10–15 min of POST on large GPU servers, 3–5 more for the GPU stack).
     boot_estimate_s: float = Field(default=1200.0, gt=0)

@@ -418,7 +418,7 @@ def test_deployments_create_with_engine_params(fleetctl: Fleetctl) -> None:
 def test_token_create_errors(fleetctl: Fleetctl) -> None:
     one_line_error(
         fleetctl("token", "create", "--role", "bogus"),
-        "--role must be one of admin, operator, viewer, agent",
+        "--role must be one of admin, operator, viewer, router, agent",
     )
     one_line_error(fleetctl("token", "create", "--role", "agent"), "agent token needs --server")
     one_line_error(

@@ -43,8 +43,9 @@ def test_roles_form_a_ladder_and_agents_stand_apart(session: Session) -> None:
         principal = authenticate(session, token)
         assert principal is not None
         may[role] = {needed for needed in Role if principal.may(needed)}
-    assert may[Role.ADMIN] == {Role.ADMIN, Role.OPERATOR, Role.VIEWER}
-    assert may[Role.OPERATOR] == {Role.OPERATOR, Role.VIEWER}
+    assert may[Role.ADMIN] == {Role.ADMIN, Role.OPERATOR, Role.ROUTER, Role.VIEWER}
+    assert may[Role.OPERATOR] == {Role.OPERATOR, Role.ROUTER, Role.VIEWER}
+    assert may[Role.ROUTER] == {Role.ROUTER, Role.VIEWER}  # reads, and reports its load
     assert may[Role.VIEWER] == {Role.VIEWER}
     assert may[Role.AGENT] == {Role.AGENT}
 

@@ -151,6 +151,16 @@ class Signals:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterLoad:
+    """What the routers in front of a deployment report (fleet/router/): requests waiting in
+    them for a free replica, and the p95s their clients see (queueing in the router included)."""
+
+    waiting: int = 0
+    p95_s: float | None = None
+    ttft_p95_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """The policy's knobs (module docstring for how each is used).
 
@@ -868,7 +878,9 @@ def _num(x: Any) -> float | None:
     return None
 
 
-def aggregate(servers: Sequence[Mapping[str, Any]], at: float) -> Signals:
+def aggregate(
+    servers: Sequence[Mapping[str, Any]], at: float, router: RouterLoad | None = None
+) -> Signals:
     """One observation from the serving servers' last heartbeats.
 
     Each server is a mapping with `gpu_count` and `replicas` (the heartbeat's replica dicts:
@@ -889,6 +901,10 @@ def aggregate(servers: Sequence[Mapping[str, Any]], at: float) -> Signals:
       not missing data: when no replica reports one and every one is idle, latency is 0.
     - serving_gpus: the GPUs of the counted replicas.
     Nothing to count at all: every signal None.
+
+    With `router` (the routers' reports): its waiting requests join the queue (they wait for a
+    replica as surely as the engines' queued ones do), and each p95 is the worse of the
+    engines' and the routers' — the routers' is what clients see, queueing in them included.
     """
     queued = 0.0
     queue_gpus = 0.0
@@ -931,11 +947,23 @@ def aggregate(servers: Sequence[Mapping[str, Any]], at: float) -> Signals:
     if counted == 0:
         return Signals(at, None, None, None, None, 0)
     idle_zero = 0.0 if all_idle else None
+    p95 = e2e_sum / e2e_n if e2e_n else idle_zero
+    ttft = ttft_sum / ttft_n if ttft_n else idle_zero
+    if router is not None:
+        if router.waiting:
+            queued += router.waiting
+            queue_gpus = queue_gpus or serving_gpus
+        p95 = _worse(p95, router.p95_s)
+        ttft = _worse(ttft, router.ttft_p95_s)
     return Signals(
         at=at,
         queue_per_gpu=queued / queue_gpus if queue_gpus > 0 else None,
         kv_use=kv,
-        p95_latency_s=e2e_sum / e2e_n if e2e_n else idle_zero,
-        ttft_p95_s=ttft_sum / ttft_n if ttft_n else idle_zero,
+        p95_latency_s=p95,
+        ttft_p95_s=ttft,
         serving_gpus=round(serving_gpus),
     )
+
+
+def _worse(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)

@@ -25,6 +25,7 @@ from fleet.autoscaler.policy import DeploymentState, PolicyConfig, Signals, aggr
 from fleet.boot_times import measured_boots, p90
 from fleet.models import Deployment, Event, ScalingDecision, Server, utcnow
 from fleet.provisioning import get_autopilot
+from fleet.routing_table import router_loads
 from fleet.settings import Settings
 from fleet.states import ServerState
 
@@ -88,6 +89,7 @@ def autoscale_once(
         if get_autopilot(session).paused:
             return []
         boots = measured_boots(session)  # once a tick, for every deployment
+        routers = router_loads(session, at - timedelta(seconds=settings.router_report_stale_s))
         for deployment in list(session.exec(select(Deployment))):
             servers = list(
                 session.exec(select(Server).where(Server.deployment_id == deployment.id))
@@ -98,7 +100,10 @@ def autoscale_once(
                 for s in serving
                 if s.last_heartbeat_at is not None and s.last_heartbeat_at >= fresh_after
             ]
-            signals = aggregate(fresh, epoch) if fresh else Signals(epoch, None, None, None, None)
+            load = routers.get(deployment.name)
+            signals = (
+                aggregate(fresh, epoch, load) if fresh else Signals(epoch, None, None, None, None)
+            )
             window = history.add(deployment.name, signals)
             state = _state(session, deployment, servers, settings, boots)
             decision = decide(state, window, epoch, config)

@@ -44,6 +44,9 @@ class RouterSettings(BaseSettings):
     eject_s: float = Field(default=10.0, gt=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
     request_timeout_s: float = Field(default=900.0, gt=0)  # a whole generation, at most
+    # Load reports to the fleet (requests waiting, client-side p95s): autoscaler signals. They
+    # need a router token (`fleetctl token create --role router`); 0 turns them off.
+    report_s: float = Field(default=5.0, ge=0)
     log_level: str = "INFO"
 
     @field_validator("strategy")

@@ -28,7 +28,9 @@ async def serve(settings: RouterSettings, sock: socket.socket, stop: asyncio.Eve
 
 def bind(settings: RouterSettings) -> socket.socket:
     family = socket.AF_INET6 if ":" in settings.listen_host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY on accepted connections only when the
+    # listening socket says TCP (else every keep-alive answer waits for a delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.listen_host, settings.listen_port))
     sock.listen(2048)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -68,6 +68,7 @@ class RouterMetrics:
             registry=r,
         )
         self._recent: dict[str, deque[float]] = {}
+        self._recent_ttft: dict[str, deque[float]] = {}
         r.register(_P95(self._recent))
 
     def finished(self, deployment: str, priority: str, code: str, seconds: float) -> None:
@@ -79,6 +80,14 @@ class RouterMetrics:
 
     def ttft(self, deployment: str, seconds: float) -> None:
         self.first_token.labels(deployment).observe(seconds)
+        self._recent_ttft.setdefault(deployment, deque(maxlen=P95_WINDOW)).append(seconds)
+
+    def p95s(self, deployment: str) -> tuple[float | None, float | None]:
+        """(request duration p95, TTFT p95) over the latest requests; None before any."""
+        return (
+            _p95(self._recent.get(deployment, ())),
+            _p95(self._recent_ttft.get(deployment, ())),
+        )
 
     def output(self, deployment: str, tokens: int) -> None:
         self.tokens.labels(deployment).inc(tokens)
@@ -111,9 +120,12 @@ class _P95(Collector):
             labels=["deployment"],
         )
         for deployment, window in list(self.recent.items()):
-            ordered = sorted(window)
-            if ordered:
-                family.add_metric(
-                    [deployment], ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-                )
+            value = _p95(window)
+            if value is not None:
+                family.add_metric([deployment], value)
         yield family
+
+
+def _p95(values: Iterable[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else None

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 import time
 from typing import Any
 
@@ -55,6 +57,8 @@ class Router:
         self.http: aiohttp.ClientSession | None = None
         self.view: WorkerView | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._report_refused = False
+        self.identity = f"{socket.gethostname()}:{os.getpid()}"
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -81,6 +85,8 @@ class Router:
             asyncio.create_task(self._every(s.fleet_poll_s, self.view.poll_fleet, "fleet")),
             asyncio.create_task(self._every(s.agent_poll_s, self.view.poll_agents, "agents")),
         ]
+        if s.report_s > 0 and s.token is not None:
+            self._tasks.append(asyncio.create_task(self._every(s.report_s, self._report, "report")))
 
     async def _stop(self, _: web.Application) -> None:
         for task in self._tasks:
@@ -105,6 +111,28 @@ class Router:
                     log.warning("router: %s poll failed: %s", what, exc)
                 failing = True
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _report(self) -> None:
+        """POST the load per deployment to the fleet (autoscaler signals)."""
+        assert self.http is not None and self.view is not None and self.settings.token
+        deployments: dict[str, dict[str, Any]] = {}
+        for pool in self.view.pools.values():
+            p95, ttft = self.metrics.p95s(pool.name)
+            deployments[pool.name] = {"waiting": len(pool.queue), "p95_s": p95, "ttft_p95_s": ttft}
+        url = f"{self.settings.fleet_url.rstrip('/')}/api/v1/routing/report"
+        headers = {"Authorization": f"Bearer {self.settings.token.get_secret_value()}"}
+        body = {"router": self.identity, "deployments": deployments}
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with self.http.post(url, json=body, headers=headers, timeout=timeout) as reply:
+            if reply.status == 403 and not self._report_refused:
+                self._report_refused = True
+                log.warning(
+                    "router: the fleet refuses load reports from this token (%s); the "
+                    "autoscaler will not see this router's queue (use a router token)",
+                    (await reply.text())[:200],
+                )
+            elif reply.status >= 400 and reply.status != 403:
+                raise RuntimeError(f"POST {url}: HTTP {reply.status}")
 
     def _views_changed(self) -> None:
         assert self.view is not None

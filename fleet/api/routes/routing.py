@@ -6,8 +6,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 
-from fleet.api.deps import SessionDep, Viewer, get_settings
-from fleet.routing_table import routing_table
+from fleet.api.deps import SessionDep, Viewer, get_settings, require
+from fleet.auth import Principal
+from fleet.models import Role
+from fleet.routing_table import LoadReport, record_report, routing_table
 from fleet.settings import Settings
 
 router = APIRouter(tags=["routing"])
@@ -21,3 +23,14 @@ def routing(
     replicas of its serving servers with a fresh heartbeat (engine and agent URLs)."""
     rows = routing_table(session, settings)
     return {"count": len(rows), "results": rows}
+
+
+@router.post("/routing/report")
+def report(
+    body: LoadReport,
+    _: Annotated[Principal, Depends(require(Role.ROUTER))],
+    session: SessionDep,
+) -> dict[str, Any]:
+    """A router's load per deployment (requests waiting in it, its clients' p95s): autoscaler
+    signals. Needs a router token (or operator, admin)."""
+    return {"recorded": record_report(session, body)}
