@@ -176,6 +176,8 @@ class Api:
         response = self._client.request(method, path, **kwargs)
         if response.status_code >= 400:
             raise CliError(_detail(response))
+        if response.status_code == 204 or not response.content:
+            return None
         if response.headers.get("content-type", "").startswith("application/json"):
             return response.json()
         return response.text
@@ -1418,7 +1420,7 @@ def schedule_add(
         return
     nxt = row["next"]
     when = f"; next serving from {_local(nxt['start_local'])}" if nxt else ""
-    boots = f", boots from {_local(nxt['boot_local'])}" if nxt else ""
+    boots = f", boots from {_local(nxt['boot_at_local'])}" if nxt else ""
     typer.echo(f"entry {row['id']} for {deployment}{when}{boots} ({row['lead_basis']})")
 
 

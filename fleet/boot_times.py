@@ -25,7 +25,8 @@ def measured_boots(session: Session) -> list[tuple[str, float]]:
 
 
 def p90(values: Iterable[float]) -> float | None:
-    """The 90th percentile by nearest rank (the largest of ten or fewer); None if empty."""
+    """The 90th percentile as the value at index ⌊0.9·n⌋ of the sorted values (the largest of
+    ten or fewer: with few boots measured, the slowest one); None if empty."""
     ordered = sorted(values)
     if not ordered:
         return None

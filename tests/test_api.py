@@ -122,13 +122,24 @@ def detail(response: httpx.Response, status: int) -> str:
     return text
 
 
+ROUTER_REPORT = f"{API}/routing/report"  # a router's load report: the router role (or above)
 REAL_NAMES = {
     "servers": "fra1-r01-h100-01",
     "racks": "fra1-r01",
     "sites": "fra1",
     "deployments": "llama-8b",
     "autoscaler": "llama-8b",  # /autoscaler/{deployment}/decisions
+    "schedules": "1",  # /schedules/{entry_id}: the entry `add_schedule` creates
 }
+# A calendar entry (docs/calendar.md); a preview of one is a read, though it is a POST.
+SCHEDULE: dict[str, Any] = {
+    "deployment": "llama-8b",
+    "cron": "0 9 * * 1-5",
+    "timezone": "Europe/Berlin",
+    "min_replicas": 4,
+    "duration_s": 9 * 3600,
+}
+VIEWER_POSTS = {("POST", f"{API}/schedules/preview")}
 
 
 def api_operations(live: Live) -> list[tuple[str, str]]:
@@ -142,7 +153,16 @@ def call(client: httpx.Client, method: str, template: str) -> httpx.Response:
         return client.get(path)
     if template.startswith(f"{API}/inventory/"):
         return client.request(method, path, content=DEMO_YAML, headers=YAML)
+    if (method, template) in VIEWER_POSTS:
+        return client.request(method, path, json=SCHEDULE)
     return client.request(method, path, json={})
+
+
+def add_schedule(api: Api) -> dict[str, Any]:
+    """The calendar entry REAL_NAMES["schedules"] names."""
+    entry: dict[str, Any] = ok(api.operator.post(f"{API}/schedules", json=SCHEDULE), 201)
+    assert str(entry["id"]) == REAL_NAMES["schedules"]
+    return entry
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,15 +237,22 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_viewer_reads_but_cannot_write(demo: Api) -> None:
+    entry = add_schedule(demo)
     refused: set[tuple[str, str]] = set()
     for method, template in api_operations(demo.live):
         response = call(demo.viewer, method, template)
-        if method == "GET":
+        if method == "GET" or (method, template) in VIEWER_POSTS:
             assert response.status_code == 200, f"{method} {template}: {response.text}"
         else:
             refused.add((method, template))
             text = detail(response, 403)
-            needed = "agent role" if template.startswith(AGENT_API) else "operator role"
+            needed = (
+                "agent role"
+                if template.startswith(AGENT_API)
+                else "router role"
+                if template == ROUTER_REPORT
+                else "operator role"
+            )
             assert "viewer" in text and needed in text, text
     # import, validate, PATCH server, transition, POST and PATCH deployment
     assert len(refused) >= 6 and VALIDATE in refused
@@ -235,6 +262,7 @@ def test_viewer_reads_but_cannot_write(demo: Api) -> None:
     # Nothing was written: still 56 enrolled servers and the demo's deployments.
     assert demo.all_rows(f"{API}/servers", state="enrolled")[0] == len(DEMO.servers)
     assert [d["name"] for d in demo.all_rows(f"{API}/deployments")[1]] == sorted(DEMO.deployments)
+    assert ok(demo.viewer.get(f"{API}/schedules"))["results"] == [entry]
 
 
 def test_agent_token_reaches_no_operator_or_viewer_endpoint(demo: Api) -> None:

@@ -9,7 +9,9 @@ T with a p90 boot of P, a leader ticking every `tick` seconds starts the boots i
 
 from __future__ import annotations
 
+import itertools
 from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
 
 import pytest
 from hypothesis import given, settings
@@ -49,7 +51,7 @@ def test_weekdays_at_nine_in_berlin_across_both_dst_changes() -> None:
     assert spring == [utc(2027, 3, 26, 8), utc(2027, 3, 29, 7)]  # Fri CET, Mon CEST
     assert autumn == [utc(2027, 10, 29, 7), utc(2027, 11, 1, 8)]  # Fri CEST, Mon CET
     for at in spring + autumn:
-        local = at.astimezone(parse("0 9 * * 1-5", BERLIN).trigger.timezone)
+        local = at.astimezone(ZoneInfo(BERLIN))
         assert (local.hour, local.minute) == (9, 0)
         assert local.strftime("%a") in ("Fri", "Mon")
 
@@ -119,6 +121,32 @@ def test_a_repeated_hour_fires_once_for_a_fixed_hour_and_throughout_for_a_wildca
         utc(2027, 10, 31, 1, 30),  # 02:30 again, the second time round
         utc(2027, 10, 31, 2, 0),
     ]
+
+
+def test_firings_just_after_midnight_survive_the_spring_forward_day() -> None:
+    """APScheduler's zone-aware search skips these (agronholm/apscheduler#529); ours does not."""
+    assert firings("@daily", BERLIN, utc(2027, 3, 27, 12), 3) == [
+        utc(2027, 3, 27, 23),  # Sun 00:00 CET
+        utc(2027, 3, 28, 22),  # Mon 00:00 CEST
+        utc(2027, 3, 29, 22),
+    ]
+    mondays = firings("0 0 * * 1", BERLIN, utc(2027, 3, 20), 3)
+    assert mondays == [utc(2027, 3, 21, 23), utc(2027, 3, 28, 22), utc(2027, 4, 4, 22)]
+    # Santiago's clocks jump from 00:00 to 01:00 on 2027-09-05: that day's midnight fires at 01:00.
+    santiago = firings("@daily", "America/Santiago", utc(2027, 9, 3, 12), 3)
+    assert santiago == [utc(2027, 9, 4, 4), utc(2027, 9, 5, 4), utc(2027, 9, 6, 3)]
+
+
+@pytest.mark.parametrize(
+    "tz", [BERLIN, "America/New_York", "Australia/Lord_Howe", "America/Santiago"]
+)
+@pytest.mark.parametrize("expression", ["0 0 * * *", "30 2 * * *", "15 1 * * *"])
+def test_a_daily_expression_fires_once_every_local_day_of_a_year(tz: str, expression: str) -> None:
+    days = [
+        at.astimezone(ZoneInfo(tz)).date() for at in firings(expression, tz, utc(2027, 1, 1), 365)
+    ]
+    assert len(set(days)) == 365 and days == sorted(days)
+    assert all((b - a).days == 1 for a, b in itertools.pairwise(days))
 
 
 @pytest.mark.parametrize(
@@ -225,6 +253,21 @@ def test_a_missed_firing_is_caught_up_late_while_its_window_is_open() -> None:
     # Down until after 18:00 local: the window is gone, it is reported missed, not fired.
     missed = due(spec, handled, utc(2027, 3, 26, 17, 30), 1020, 30)
     assert missed is not None and missed.action == "missed"
+
+
+def test_a_window_long_closed_during_an_outage_is_still_reported_missed() -> None:
+    spec = Spec(parse("0 9 * * *", "UTC"), duration_s=60)
+    # Handled Monday's; the leader was down from Tuesday 08:00 to Wednesday 08:00.
+    found = due(spec, utc(2027, 1, 4, 9), utc(2027, 1, 6, 8), 30, 30)
+    assert found is not None and found.action == "missed"
+    assert found.window.start == utc(2027, 1, 5, 9)
+    # Never handled: the search starts one window before the entry was made.
+    made = utc(2027, 1, 4, 12)
+    fresh = due(spec, None, utc(2027, 1, 6, 8), 30, 30, since=made)
+    assert fresh is not None and fresh.window.start == utc(2027, 1, 5, 9)
+    # Beyond the catch-up horizon nothing is said.
+    assert due(spec, None, utc(2027, 3, 1, 8), 30, 30, since=made) is not None  # Feb 28's
+    assert due(Spec(parse("0 9 1 1 *", "UTC"), duration_s=60), None, utc(2027, 3, 1), 0, 30) is None
 
 
 def test_of_several_missed_windows_the_latest_is_acted_on() -> None:

@@ -606,6 +606,22 @@ def _run_every_command(
     cmd(("deployments", "scale"), DEPLOYMENT, "--replicas", "2")
     cmd(("deployments", "scale"), DEPLOYMENT, "--auto")
     cmd(("deployments", "scale"), DEPLOYMENT, code=1)  # neither: one line
+    # The calendar (the re-imports above put the deployment's max_replicas back to 1).
+    spec = ("--cron", "0 9 * * 1-5", "--tz", "Europe/Berlin")
+    new = (DEPLOYMENT, "--min-replicas", "1", *spec)
+    entry = json.loads(cmd(("schedule", "add"), *new, "--for", "9h", "-o", "json").stdout)["id"]
+    cmd(("schedule", "list"))
+    cmd(("schedule", "list"), "-o", "json")
+    cmd(("schedule", "preview"), str(entry), "--count", "3")
+    cmd(("schedule", "preview"), "--deployment", DEPLOYMENT, *spec, "--until", "0 18 * * 1-5")
+    cmd(("schedule", "add"), *new, "--for", "9x", code=1)  # not a duration: one line
+    cmd(("schedule", "rm"), "999999", code=1)  # no such entry: one line
+    cmd(("schedule", "add"), *new, "--for", "1h", "-o", "json")
+    cmd(("schedule", "rm"), str(entry))
+    # The router refuses to start without a token or a table, and on an unknown strategy.
+    monkeypatch.delenv("FLEET_ROUTER_TOKEN", raising=False)
+    cmd(("router", "run"), "--port", "0", code=1)
+    cmd(("router", "run"), "--port", "0", "--strategy", "fastest", code=1)
 
     # The virtual colo's commands on a file full of passwords and on a lab that is not up:
     # one line each, no echo (the lab's own run is tests/test_lab.py).

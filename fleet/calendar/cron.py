@@ -8,9 +8,10 @@ its `from_crontab` reads "1-5" as Tuesday to Saturday. We translate the field to
 As in cron, when both day-of-month and day-of-week are restricted a day matching either fires.
 
 Across DST, as vixie cron does: a firing in a spring-forward gap (02:30 on the night clocks jump
-from 02:00 to 03:00) happens right after the jump, at 03:30; a fixed-hour firing in a repeated
-hour (autumn) happens once, at its first occurrence. Wildcard-hour expressions ("*/15 * * * *")
-keep firing through the repeated hour.
+from 02:00 to 03:00) happens after the jump, at 03:30 (where clocks jump at midnight, a 00:00
+firing happens at 01:00); a fixed-hour firing in a repeated hour (autumn) happens once, at its
+first occurrence. Wildcard-hour expressions ("*/15 * * * *") keep firing through the repeated
+hour, both times round.
 """
 
 from __future__ import annotations
@@ -42,30 +43,82 @@ class CronError(ValueError):
 
 @dataclass(frozen=True)
 class Cron:
+    """An expression in a zone. The cron fields match local wall-clock times; APScheduler
+    finds the next matching wall time on a zone-free clock (its own zone-aware search loses
+    firings near a spring-forward jump, agronholm/apscheduler#529), and `next_after` maps wall
+    times to instants: a wall time in a gap fires right after the jump, one in a repeated
+    hour at its first occurrence (and, for a wildcard hour, at its second too)."""
+
     expression: str
     timezone: str
-    trigger: BaseTrigger
+    trigger: BaseTrigger  # over naive wall-clock times, presented to APScheduler as UTC
     fixed_hour: bool  # the hour field is not "*": a repeated local hour fires once
 
     def next_after(self, at: datetime) -> datetime | None:
         """The first firing strictly after `at`, in UTC (None: it never fires again)."""
         tz = ZoneInfo(self.timezone)
-        for _ in range(4):  # at most one repeated hour to step over
-            # APScheduler: the first firing at or after `now` (rounded up to a second).
-            nxt: datetime | None = self.trigger.get_next_fire_time(
-                None, at + timedelta(microseconds=1)
-            )
-            if nxt is None:
+        best = self._from_wall(_wall(at, tz), at, tz)
+        if best is not None and not self.fixed_hour:
+            # Clocks going back between `at` and `best` repeat wall times the search above
+            # has passed: look again from the wall time right after the change.
+            back = _backward_change(at, best, tz)
+            if back is not None:
+                again = self._from_wall(_wall(back, tz) - _TICK, at, tz, second_pass=True)
+                if again is not None and again < best:
+                    best = again
+        return best
+
+    def _from_wall(
+        self, wall: datetime, at: datetime, tz: ZoneInfo, *, second_pass: bool = False
+    ) -> datetime | None:
+        for _ in range(_MAX_STEPS):
+            found = self.trigger.get_next_fire_time(None, (wall + _TICK).replace(tzinfo=UTC))
+            if found is None:
                 return None
-            if not (self.fixed_hour and _second_occurrence(nxt.astimezone(tz))):
-                return nxt.astimezone(UTC)
-            at = nxt.astimezone(UTC)  # (local + timedelta would drop the fold)
+            wall = found.replace(tzinfo=None)
+            instants = _instants(wall, tz)
+            if self.fixed_hour:
+                instants = instants[:1]
+            elif second_pass:
+                instants = instants[-1:]
+            later = [i for i in instants if i > at]
+            if later:
+                return later[0]
         return None
 
 
-def _second_occurrence(local: datetime) -> bool:
-    """A local time in a repeated hour, the second time round (APScheduler fires both)."""
-    return local.fold == 1 and local.replace(fold=0).utcoffset() != local.utcoffset()
+_TICK = timedelta(microseconds=1)
+_MAX_STEPS = 8  # wall times to try past one already behind `at` (a repeated hour)
+
+
+def _wall(at: datetime, tz: ZoneInfo) -> datetime:
+    return at.astimezone(tz).replace(tzinfo=None)
+
+
+def _instants(wall: datetime, tz: ZoneInfo) -> list[datetime]:
+    """The instants (UTC) at which local clocks show `wall`: one, two in a repeated hour, and
+    for a wall time skipped by a jump the instant it would have been had the clocks not jumped
+    yet (02:30 on the spring-forward night → 03:30 new time)."""
+    first = wall.replace(tzinfo=tz, fold=0).astimezone(UTC)
+    second = wall.replace(tzinfo=tz, fold=1).astimezone(UTC)
+    real = sorted({u for u in (first, second) if _wall(u, tz) == wall})
+    return real or [max(first, second)]
+
+
+def _backward_change(start: datetime, end: datetime, tz: ZoneInfo) -> datetime | None:
+    """The instant in (start, end] at which the zone's offset last decreased, if it did."""
+    if (end.astimezone(tz).utcoffset() or timedelta()) >= (
+        start.astimezone(tz).utcoffset() or timedelta()
+    ):
+        return None
+    low, high = start, end  # offset(low) > offset(high): bisect to the second
+    while (high - low) > timedelta(seconds=1):
+        mid = low + (high - low) / 2
+        if mid.astimezone(tz).utcoffset() == low.astimezone(tz).utcoffset():
+            low = mid
+        else:
+            high = mid
+    return high.replace(microsecond=0) if high.microsecond else high
 
 
 def zone(name: str) -> ZoneInfo:
@@ -81,7 +134,7 @@ def zone(name: str) -> ZoneInfo:
 
 def parse(expression: str, timezone: str) -> Cron:
     """A `Cron` for `expression` in `timezone`; CronError says what is wrong."""
-    tz = zone(timezone)
+    zone(timezone)  # validated here; next_after applies it
     text = " ".join(expression.split())
     fields = MACROS.get(text.lower(), text).split(" ")
     if len(fields) == 5:
@@ -94,6 +147,7 @@ def parse(expression: str, timezone: str) -> Cron:
             "6 with a leading seconds field, or a macro such as @daily"
         )
     minute, hour, day, month, weekday = fields
+    fields_given = {"second": second, "minute": minute, "hour": hour, "day": day, "month": month}
     names = _weekdays(weekday, expression)
 
     def trigger(day: str, day_of_week: str) -> CronTrigger:
@@ -105,10 +159,10 @@ def parse(expression: str, timezone: str) -> Cron:
                 day=day,
                 month=month,
                 day_of_week=day_of_week,
-                timezone=tz,
+                timezone=UTC,
             )
         except ValueError as exc:
-            raise CronError(f"cron {expression!r}: {exc}") from None
+            raise CronError(f"cron {expression!r}: {_culprit(fields_given)}{exc}") from None
 
     if day not in ("*", "?") and weekday not in ("*", "?"):
         # Cron's rule: either restricted field matching is enough.
@@ -116,6 +170,16 @@ def parse(expression: str, timezone: str) -> Cron:
     else:
         combined = trigger("*" if day == "?" else day, names)
     return Cron(text, timezone, combined, fixed_hour=hour != "*")
+
+
+def _culprit(fields: dict[str, str]) -> str:
+    """Which field APScheduler rejected ("hour: "), found by trying each alone."""
+    for name, value in fields.items():
+        try:
+            CronTrigger(**{name: value}, timezone=UTC)
+        except ValueError:
+            return f"{name.replace('day', 'day-of-month')} field {value!r}: "
+    return ""
 
 
 def _weekdays(field: str, expression: str) -> str:

@@ -27,6 +27,9 @@ from fleet.calendar.cron import Cron, zone
 # window length is not known before it opens): a week and a day covers weekly windows.
 END_CRON_LOOKBACK_S = 8 * 24 * 3600.0
 MAX_SCAN = 10_000  # cron firings stepped over in one search, at most (every loop is bounded)
+# After an outage, windows that began up to this long ago are caught up (fired if still open,
+# else reported missed); older ones are left alone.
+CATCH_UP_S = 8 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -92,13 +95,20 @@ def due(
     now: datetime,
     lead_s: float,
     tick_s: float,
+    *,
+    since: datetime | None = None,
 ) -> Due | None:
     """The window to act on at this tick, if any: the latest one with start T after `handled`
     (the last window this entry fired or missed) whose fire time is within a tick of `now`
-    (now ≥ T − lead − tick). Earlier unhandled windows are overtaken by it."""
+    (now ≥ T − lead − tick). Earlier unhandled windows are overtaken by it.
+
+    An entry never handled searches from `since` (its creation) less one window length, so
+    that a window open when it was made is found; windows that began more than CATCH_UP_S
+    (plus a window length) ago are neither fired nor reported."""
     horizon = now + timedelta(seconds=lead_s + tick_s)
-    floor = now - timedelta(seconds=spec.lookback_s + lead_s + tick_s)
-    at = max(handled, floor) if handled is not None else floor
+    reach = timedelta(seconds=spec.lookback_s + lead_s + tick_s)
+    begin = handled if handled is not None else (since or now) - reach
+    at = max(begin, now - reach - timedelta(seconds=CATCH_UP_S))
     latest: datetime | None = None
     for _ in range(MAX_SCAN):
         start = spec.start.next_after(at)

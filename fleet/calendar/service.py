@@ -98,7 +98,14 @@ def calendar_once(
             if entry.active_until is not None and entry.active_until <= at:
                 _close(session, entry, deployment, at)
             lead = lead_time(candidate_models(deployment, warm), measured, settings.boot_estimate_s)
-            found = due(spec, entry.fired_for, at, lead.seconds, settings.calendar_interval_s)
+            found = due(
+                spec,
+                entry.fired_for,
+                at,
+                lead.seconds,
+                settings.calendar_interval_s,
+                since=entry.created_at,
+            )
             if found is None or not _claim(session, entry, found, at):
                 continue
             if found.action == "missed":
@@ -305,7 +312,9 @@ def _reason(
     until = f"floor {_n(floor, 'server')} for {_n(entry.min_replicas, 'replica')}"
     until += f" until {_clock(end) if end.date() == start.date() else f'{end:%a} {_clock(end)}'}"
     late = ""
-    if firing.due.late_s > 0:
+    if firing.due.late_s > 0 and entry.created_at > window.fire_at:
+        late = "entry added inside its window, "
+    elif firing.due.late_s > 0:
         late = f"{minutes(firing.due.late_s)} late (no leader ran the calendar), "
     if pinned is not None:
         return (
