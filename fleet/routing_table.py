@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlparse
 
 import sqlalchemy as sa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from sqlmodel import Session, col, select
 
 from fleet.autoscaler.policy import RouterLoad
@@ -95,7 +95,9 @@ class LoadReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     router: str = Field(min_length=1, max_length=100)
-    deployments: dict[str, DeploymentLoad] = Field(max_length=10_000)
+    deployments: dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=63)], DeploymentLoad
+    ] = Field(max_length=10_000)
 
 
 def record_report(session: Session, report: LoadReport, *, now: datetime | None = None) -> int:

@@ -304,3 +304,67 @@ def test_prompt_tokens_follow_the_engines_counting() -> None:
     assert max_output({"max_tokens": 7}) == 7
     assert max_output({"max_completion_tokens": 9, "max_tokens": 7}) == 9
     assert max_output({}) is None and max_output({"max_tokens": "many"}) is None
+
+
+def test_a_retry_that_excludes_the_free_replica_does_not_block_the_queue() -> None:
+    async def scenario() -> None:
+        p = pool(2, limit=1)
+        held = await p.acquire(SMALL, "interactive", timeout=1)  # one replica busy
+        other = next(url for url in p.replicas if url != held.replica.url)
+        p.replicas[other].inflight = 1  # ... and the other too, for now
+        retry = asyncio.create_task(
+            p.acquire(SMALL, "interactive", exclude=frozenset({other}), timeout=5)
+        )
+        await asyncio.sleep(0)
+        fresh = asyncio.create_task(p.acquire(SMALL, "batch", timeout=5))
+        await asyncio.sleep(0)
+        p.replicas[other].inflight = 0  # the one the retry may not use frees up
+        p.pump()
+        ticket = await asyncio.wait_for(fresh, 1)  # the batch request goes past the retry
+        assert ticket.replica.url == other and not retry.done()
+        p.release(held, output_tokens=1, ok=True, failed=False)
+        assert (await asyncio.wait_for(retry, 1)).replica.url == held.replica.url
+
+    asyncio.run(scenario())
+
+
+def test_router_p95s_cover_the_last_minute_only() -> None:
+    from fleet.router.metrics import RouterMetrics
+
+    now = [1000.0]
+    metrics = RouterMetrics()
+    metrics.clock = lambda: now[0]
+    for seconds in (20.0, 21.0, 22.0):
+        metrics.finished("d", "interactive", "200", seconds)
+        metrics.ttft("d", 2.0)
+    assert metrics.p95s("d") == (22.0, 2.0)
+    now[0] += 61  # a quiet minute: nothing to report, not the old spike
+    assert metrics.p95s("d") == (None, None)
+    metrics.finished("d", "interactive", "200", 1.0)
+    assert metrics.p95s("d") == (1.0, None)
+    metrics.finished("d", "interactive", "429", 0.001)  # refusals are not latencies
+    assert metrics.p95s("d")[0] == 1.0
+
+
+def test_a_replica_on_unknown_hardware_starts_at_the_mean_of_the_known() -> None:
+    from fleet.router.config import RouterSettings
+    from fleet.router.discovery import WorkerView
+
+    view = WorkerView(RouterSettings(), http=None)  # type: ignore[arg-type]
+    view.apply_table(
+        [
+            {
+                "deployment": "d",
+                "model_uri": "s3://m/llama-3.1-8b",
+                "replicas": [
+                    {"url": "http://a", "gpu_model": "H100"},
+                    {"url": "http://b", "gpu_model": "H200"},
+                    {"url": "http://c", "gpu_model": "MI300X"},
+                ],
+            }
+        ]
+    )
+    replicas = view.pools["d"].replicas
+    known = (replicas["http://a"].capacity + replicas["http://b"].capacity) / 2
+    assert replicas["http://c"].capacity == pytest.approx(known)
+    assert all(r.ready for r in replicas.values())  # no agent listed: taken as ready

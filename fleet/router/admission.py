@@ -37,6 +37,10 @@ class AdmissionQueue(Generic[T]):
         self._waiting[priority].append(item)
         return True
 
+    def ordered(self) -> list[T]:
+        """Every waiting item, in the order `pop` would return them."""
+        return [item for priority in PRIORITIES for item in self._waiting[priority]]
+
     def peek(self) -> T | None:
         """The item `pop` would return, left in place."""
         for priority in PRIORITIES:

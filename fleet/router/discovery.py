@@ -39,6 +39,7 @@ class WorkerView:
         self.by_model: dict[str, DeploymentPool] = {}
         self.agents: dict[str, list[Replica]] = {}  # agent URL -> its replicas
         self.agent_misses: dict[str, int] = {}
+        self._polls: dict[str, asyncio.Task[None]] = {}
         self.table_ok = False
         self.on_change: Callable[[], None] = lambda: None
 
@@ -104,6 +105,7 @@ class WorkerView:
                 agent = item.get("agent_url")
                 if agent:
                     agents.setdefault(str(agent).rstrip("/"), []).append(replica)
+            _unknown_takes_the_mean(current, pool.throughput)
             pool.replicas = current
             pool.throughput = {u: m for u, m in pool.throughput.items() if u in current}
             for model in pool.models:
@@ -130,8 +132,17 @@ class WorkerView:
     # -- the agents -----------------------------------------------------------------------
 
     async def poll_agents(self) -> None:
+        """One round: a poll for every agent not still answering the last one, then at most
+        one poll interval of waiting, so that one hung agent does not slow the others."""
+        for url in list(self.agents):
+            task = self._polls.get(url)
+            if task is None or task.done():
+                self._polls[url] = asyncio.create_task(self._poll_agent(url))
+        pending = [t for t in self._polls.values() if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=self.settings.agent_poll_s)
+        self._polls = {u: t for u, t in self._polls.items() if u in self.agents or not t.done()}
         if self.agents:
-            await asyncio.gather(*(self._poll_agent(url) for url in list(self.agents)))
             self.on_change()
 
     async def _poll_agent(self, url: str) -> None:
@@ -151,6 +162,19 @@ class WorkerView:
             return
         self.agent_misses[url] = 0
         apply_agent_state(replicas, state)
+
+
+def _unknown_takes_the_mean(replicas: dict[str, Replica], meters: dict[str, Throughput]) -> None:
+    """A replica on hardware the cost model does not know (prior 1.0) starts at the mean of the
+    known ones, not at a capacity that would starve it until measured."""
+    known = [m.value for u, m in meters.items() if u in replicas and (m.measured or m.value > 1.0)]
+    if not known:
+        return
+    mean = sum(known) / len(known)
+    for url, replica in replicas.items():
+        meter = meters.get(url)
+        if meter is not None and not meter.measured and meter.value <= 1.0:
+            meter.value = replica.capacity = mean
 
 
 def apply_agent_state(replicas: list[Replica], state: dict[str, Any]) -> None:

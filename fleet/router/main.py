@@ -16,7 +16,11 @@ from fleet.router.proxy import Router
 async def serve(settings: RouterSettings, sock: socket.socket, stop: asyncio.Event) -> None:
     """Serve on `sock` until `stop` is set."""
     router = Router(settings)
-    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
+    # handler_cancellation: a client that goes away cancels its request (and gives its place in
+    # the waiting room back) instead of having it forwarded to nobody.
+    runner = web.AppRunner(
+        router.app(), access_log=None, handle_signals=False, handler_cancellation=True
+    )
     await runner.setup()
     site = web.SockSite(runner, sock, backlog=2048)
     await site.start()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -16,7 +17,8 @@ from fleet.router.strategy import Replica
 # Seconds: from a fast cached answer to a long generation.
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
-P95_WINDOW = 1000  # the latest requests per deployment the p95 gauge covers
+P95_WINDOW_S = 60.0  # the p95s (gauge and autoscaler reports) cover the last minute
+P95_MAX = 5000  # requests kept per deployment for them, at most
 
 
 class RouterMetrics:
@@ -63,30 +65,34 @@ class RouterMetrics:
         )
         self.replica_ready = Gauge(
             "router_replica_ready",
-            "1 when the replica may take new requests (agent ready, not ejected)",
+            "1 when the replica may take new requests (its agent says ready, not ejected)",
             ["deployment", "replica"],
             registry=r,
         )
-        self._recent: dict[str, deque[float]] = {}
-        self._recent_ttft: dict[str, deque[float]] = {}
-        r.register(_P95(self._recent))
+        self._recent: dict[str, _Window] = {}
+        self._recent_ttft: dict[str, _Window] = {}
+        self.clock: Callable[[], float] = time.monotonic
+        r.register(_P95(self))
 
     def finished(self, deployment: str, priority: str, code: str, seconds: float) -> None:
         self.requests.labels(deployment, priority, code).inc()
         if code == "200":
             self.duration.labels(deployment).observe(seconds)
-            recent = self._recent.setdefault(deployment, deque(maxlen=P95_WINDOW))
-            recent.append(seconds)
+            self._recent.setdefault(deployment, _Window()).add(self.clock(), seconds)
 
     def ttft(self, deployment: str, seconds: float) -> None:
         self.first_token.labels(deployment).observe(seconds)
-        self._recent_ttft.setdefault(deployment, deque(maxlen=P95_WINDOW)).append(seconds)
+        self._recent_ttft.setdefault(deployment, _Window()).add(self.clock(), seconds)
 
     def p95s(self, deployment: str) -> tuple[float | None, float | None]:
-        """(request duration p95, TTFT p95) over the latest requests; None before any."""
+        """(request duration p95, TTFT p95) over the last P95_WINDOW_S; None without requests
+        then (an idle deployment has no latency to report, not an old one)."""
+        now = self.clock()
+        durations = self._recent.get(deployment)
+        ttfts = self._recent_ttft.get(deployment)
         return (
-            _p95(self._recent.get(deployment, ())),
-            _p95(self._recent_ttft.get(deployment, ())),
+            durations.p95(now) if durations else None,
+            ttfts.p95(now) if ttfts else None,
         )
 
     def output(self, deployment: str, tokens: int) -> None:
@@ -103,24 +109,41 @@ class RouterMetrics:
         self.queue_depth(pool)
         for replica in pool.replicas.values():
             self.replica_inflight.labels(pool.name, replica.url).set(replica.inflight)
-            self.replica_ready.labels(pool.name, replica.url).set(1 if replica.ready else 0)
+            ready = replica.ready and replica.ejected_until <= time.monotonic()
+            self.replica_ready.labels(pool.name, replica.url).set(1 if ready else 0)
+
+
+class _Window:
+    """(time, value) of the last P95_WINDOW_S, at most P95_MAX of them."""
+
+    def __init__(self) -> None:
+        self.items: deque[tuple[float, float]] = deque(maxlen=P95_MAX)
+
+    def add(self, at: float, value: float) -> None:
+        self.items.append((at, value))
+
+    def p95(self, now: float) -> float | None:
+        while self.items and self.items[0][0] < now - P95_WINDOW_S:
+            self.items.popleft()
+        return _p95(v for _, v in self.items)
 
 
 class _P95(Collector):
     """The p95 per deployment, computed at scrape time (sorting on every request would cost
     more than the forwarding itself)."""
 
-    def __init__(self, recent: dict[str, deque[float]]) -> None:
-        self.recent = recent
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "router_request_duration_p95_seconds",
-            f"p95 of the latest {P95_WINDOW} successful requests' durations",
+            f"p95 of the request durations of the last {P95_WINDOW_S:.0f} s (answered ones)",
             labels=["deployment"],
         )
-        for deployment, window in list(self.recent.items()):
-            value = _p95(window)
+        now = self.metrics.clock()
+        for deployment, window in list(self.metrics._recent.items()):
+            value = window.p95(now)
             if value is not None:
                 family.add_metric([deployment], value)
         yield family

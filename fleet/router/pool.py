@@ -124,24 +124,26 @@ class DeploymentPool:
             raise
 
     def pump(self) -> None:
-        """Admit waiters, best first, while replicas are available."""
-        while True:
-            waiter = self.queue.peek()
-            if waiter is None:
-                return
+        """Admit waiters, best first, while replicas are available. A retry that excludes the
+        replicas that failed it may be passed over by the waiters behind it; a waiter free to
+        go anywhere that finds nothing means nothing is free for anyone."""
+        for waiter in self.queue.ordered():
+            if waiter.future.done():  # cancelled meanwhile
+                self.queue.remove(waiter)
+                continue
             replica = self._choose(waiter.request, waiter.exclude)
             if replica is None:
-                return
-            self.queue.pop()
-            if waiter.future.done():  # cancelled meanwhile
+                if not waiter.exclude:
+                    return
                 continue
+            self.queue.remove(waiter)
             waiter.future.set_result(self._book(replica, waiter.request))
 
     # -- closing the books ----------------------------------------------------------------
 
     def release(self, ticket: Ticket, *, output_tokens: int, ok: bool, failed: bool) -> None:
-        """The request is over: `ok` with `output_tokens` written, or not; `failed` when the
-        replica itself failed it (connect error, 5xx before any byte)."""
+        """The request is over: `ok` with `output_tokens` written (0: not known), or not;
+        `failed` when the replica itself failed it (connect error or 503 before any byte)."""
         if ticket.released:
             return
         ticket.released = True
@@ -156,7 +158,7 @@ class DeploymentPool:
             work = request.prompt_tokens * self.prefill_weight + output_tokens if ok else 0.0
             meter.finished(now, work)
             replica.capacity = meter.value
-        if ok:
+        if ok and output_tokens > 0:
             self.estimate.observe(output_tokens)
         if failed:
             count = self.failures.get(replica.url, 0) + 1

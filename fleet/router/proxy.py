@@ -287,7 +287,7 @@ class Router:
         reached the client; otherwise the response (complete, or a stream cut short)."""
         assert self.http is not None
         s = self.settings
-        url = ticket.replica.url + request.path
+        url = ticket.replica.url + request.path_qs
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         timeout = aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s)
         response: web.StreamResponse | None = None
@@ -306,19 +306,23 @@ class Router:
                     ok = True
                     return response
                 data = await upstream.read()
-                self.metrics.ttft(pool.name, time.monotonic() - started)
+                # No TTFT here: a client that does not stream sees its first token with its
+                # last, and that is the request's duration, not its time to first token.
                 if upstream.status == 200:
                     output_tokens, ok = _completion_tokens(data), True
                 return web.Response(body=data, status=upstream.status, headers=_passed(upstream))
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            # Writing to a client that went away (aiohttp's reset error is a ClientError too:
+            # caught first, so that the replica is not blamed).
+            if response is None:
+                raise
+            return response
         except (aiohttp.ClientError, TimeoutError) as exc:
             if response is None:
                 failed = True
                 log.info("router: %s failed before answering: %s", ticket.replica.url, exc)
                 raise _Retry from exc
             log.warning("router: stream from %s cut after it began: %s", ticket.replica.url, exc)
-            return response
-        except ConnectionResetError:  # the client went away mid-stream
-            assert response is not None
             return response
         finally:
             pool.release(ticket, output_tokens=output_tokens, ok=ok, failed=failed)
@@ -353,8 +357,12 @@ class Router:
                     continue
                 if b'"usage"' in event:
                     usage = _usage_tokens(event[6:]) or usage
-                if b'"role"' in event and not _has_text(event[6:]):
-                    continue  # a chat stream's opening chunk: the role, no token yet
+                opening = b'"role"' in event
+                closing = (
+                    b'"finish_reason":null' not in event and b'"finish_reason": null' not in event
+                )
+                if (opening or closing) and not _has_text(event[6:]):
+                    continue  # a chat stream's role chunk, or a last one with no token in it
                 if b'"choices":[]' not in event and b'"choices": []' not in event:
                     seen += 1
             tokens += seen

@@ -19,8 +19,9 @@ router = APIRouter(tags=["routing"])
 def routing(
     _: Viewer, session: SessionDep, settings: Annotated[Settings, Depends(get_settings)]
 ) -> dict[str, Any]:
-    """Per deployment: the names requests may use for it, engine limits, SLAs, and the ready
-    replicas of its serving servers with a fresh heartbeat (engine and agent URLs)."""
+    """Per deployment: the names requests may use for it, engine limits, SLAs, and the replicas
+    (engine and agent URLs) of its serving servers whose agent is ready and whose heartbeat is
+    fresh; each replica's own readiness is its agent's /state to say (the router polls it)."""
     rows = routing_table(session, settings)
     return {"count": len(rows), "results": rows}
 
