@@ -1500,6 +1500,44 @@ def schedule_preview(
 
 
 # ---------------------------------------------------------------------------------------------
+# Monitoring (fleet/prometheus_config.py, docs/metrics.md)
+
+
+@app.command("prometheus-config")
+@handled
+def prometheus_config(
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for prometheus.yml and targets/*.json.")
+    ] = Path("prometheus"),
+    router: Annotated[
+        list[str] | None, typer.Option("--router", help="A router's URL (repeatable).")
+    ] = None,
+    service: Annotated[
+        list[str] | None,
+        typer.Option("--service", help="A fleet service process to scrape (repeatable; --url)."),
+    ] = None,
+    scrape_interval: Annotated[
+        float, typer.Option("--scrape-interval", help="Seconds between scrapes.")
+    ] = 15.0,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Write a Prometheus configuration for the fleet service, every agent and the routers,
+    with file-based discovery: run it again and Prometheus follows without a reload."""
+    from fleet.prometheus_config import build, write
+
+    servers = list(_api(url, token).pages("/api/v1/servers", None))
+    files = build(
+        services=service or [url],
+        servers=servers,
+        routers=router or [],
+        scrape_interval_s=scrape_interval,
+    )
+    for path in write(out, files):
+        typer.echo(path)
+
+
+# ---------------------------------------------------------------------------------------------
 # The virtual colo (fleet/lab/colo.py): BMC emulators and simulated servers, for demos and tests
 
 lab_app = _typer("The virtual colo: real BMC emulators, simulated GPU servers (demo, tests).")
@@ -1736,6 +1774,39 @@ def _wait_gone(refs: Sequence[Any], timeout: float) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo (fleet/demo/): the whole fleet in one command
+
+
+@app.command("demo")
+@handled
+def demo(
+    duration: Annotated[
+        float, typer.Option("--duration", min=30, max=3600, help="Seconds of traffic.")
+    ] = 120.0,
+    servers: Annotated[int, typer.Option("--servers", min=2, max=12, help="L40S servers.")] = 6,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Live view or log lines.")] = True,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="Leave it running; print the URLs and a token.")
+    ] = False,
+    workdir: Annotated[
+        Path | None, typer.Option("--dir", help="Working directory [a new temporary one].")
+    ] = None,
+) -> None:
+    """The whole fleet on this machine: a virtual colo, the fleet service and the router, a
+    replayed day of real traffic with a spike, a GPU fault and a calendar entry; a summary and
+    a chart at the end. Everything it starts stops when it ends (or on Ctrl-C)."""
+    from fleet.demo.run import Options, run_demo
+
+    options = Options(duration_s=duration, servers=servers, live=live, keep=keep, workdir=workdir)
+    try:
+        run_demo(options, console)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except RuntimeError as exc:  # DemoError, LabError: one line
+        raise CliError(str(exc)) from None
 
 
 def main() -> None:

@@ -505,6 +505,11 @@ class DeploymentUpdate(_Update):
 
 
 class DeploymentPublic(DeploymentBase):
+    # What the fleet holds it at (read-only here): the autoscaler's target, the calendar's
+    # floor and an operator's pin (`fleetctl deployments scale`).
+    target_servers: int = 0
+    floor_servers: int = 0
+    pinned_replicas: int | None = None
     created_at: datetime
     updated_at: datetime
 

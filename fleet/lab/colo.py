@@ -141,7 +141,7 @@ def free_port_block(count: int, attempts: int = 200) -> int:
     raise LabError(f"no block of {count} free ports on {HOST} in {low}-{high}")
 
 
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
+def die_with_parent(parent: int) -> Callable[[], None] | None:
     """A preexec_fn: SIGKILL this child when the thread that forked it exits (Linux only)."""
     if _prctl is None:
         return None
@@ -758,7 +758,7 @@ class VirtualColo:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: power-off stops all of it
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=die_with_parent(os.getpid()),
             )
         if self._sentinel is not None:
             self._sentinel.watch(proc.pid)

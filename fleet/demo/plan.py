@@ -1,0 +1,148 @@
+"""The demo's script (pure: plain data in, plain data out): its fleet, its timeline, its traffic.
+
+The fleet: the first `servers` 4 × L40S servers of inventory/demo.yaml's ams1-r03 rack, all warm
+spares, behind the Redfish emulator (sushy-tools installs with pip, so the demo needs no system
+package; the inventory's own L40S BMCs speak IPMI). One deployment, Llama-3.1-70B FP8 on four
+L40S (TP 4, one replica a server), whose stand-in engines run ~10 tokens/s per request: a few
+requests a second keep a server busy, so the machine running the demo is not the bottleneck.
+
+The timeline, over `duration` seconds of traffic (the fractions are of the duration):
+
+    0.00  traffic starts: the Azure conversation trace, time-compressed, thinned to the base rate
+    0.20  a calendar entry's window opens ("launch"): at least 4 replicas until 0.40; it fires
+          one measured p90 boot earlier
+    0.35  a spike: the rate triples until 0.55 (the autoscaler scales up on the queue)
+    0.45  a fatal Xid (79, fallen off the bus) on a serving server: it drains, is power cycled
+    0.55  load falls to a quarter: the autoscaler returns servers to the warm pool
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.traces import TraceRequest
+
+RACK = "ams1-r03"
+DEPLOYMENT = "llama-70b"
+MODEL_URI = "s3://fleet-models/meta-llama/Llama-3.1-70B-Instruct-FP8"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    duration_s: float
+    launch_at: float = 0.20
+    launch_until: float = 0.40
+    spike_at: float = 0.35
+    spike_until: float = 0.55
+    fault_at: float = 0.45
+    fall_at: float = 0.55
+    spike_factor: float = 3.0
+    fall_factor: float = 0.25
+
+    def at(self, fraction: float) -> float:
+        return fraction * self.duration_s
+
+    def rate_factor(self, t: float) -> float:
+        """The multiple of the base rate at `t` seconds into the traffic."""
+        if self.at(self.spike_at) <= t < self.at(self.spike_until):
+            return self.spike_factor
+        if t >= self.at(self.fall_at):
+            return self.fall_factor
+        return 1.0
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def demo_inventory(full: dict[str, Any], servers: int) -> dict[str, Any]:
+    """The demo's fleet: the first `servers` servers of RACK, warm, behind Redfish."""
+    for site in full.get("sites", []):
+        for rack in site.get("racks", []):
+            if rack["name"] != RACK:
+                continue
+            if not 2 <= servers <= len(rack["servers"]):
+                raise ValueError(
+                    f"--servers must be between 2 and {len(rack['servers'])} (the {RACK} rack)"
+                )
+            picked = deepcopy(rack["servers"][:servers])
+            for server in picked:
+                server["pool"] = "warm"
+                server.pop("models_cached", None)
+                bmc = server["bmc"]
+                # The lab points every BMC at its emulator; only the protocol matters here.
+                server["bmc"] = {
+                    "protocol": "redfish",
+                    "address": "127.0.0.1",
+                    "port": 8000,
+                    "username": bmc.get("username", "admin"),
+                    "password": bmc.get("password", "demo-bmc-password"),
+                }
+            demo_rack = {k: v for k, v in rack.items() if k != "servers"} | {"servers": picked}
+            demo_site = {k: v for k, v in site.items() if k != "racks"} | {"racks": [demo_rack]}
+            return {"sites": [demo_site]}
+    raise ValueError(f"the inventory has no rack {RACK}")
+
+
+def deployment(servers: int) -> dict[str, Any]:
+    """The demo's deployment: 70B FP8, TP 4 on a 4 × L40S server, small batches (queues build
+    at demo rates), SLAs an L40S meets when not overloaded."""
+    return {
+        "name": DEPLOYMENT,
+        "model_uri": MODEL_URI,
+        "model_checksum": "sha256:03e8122b89f0f3193849363bb84d6f217b1c40729b2c10bed1b9fdaebe48874a",
+        "engine_params": {"backend": "pytorch", "tp_size": 4, "max_batch_size": 8},
+        "gpus_per_replica": 4,
+        "gpu_models": ["L40S"],
+        "min_replicas": 2,
+        "max_replicas": servers,
+        # An idle replica answers in ~3 s (24 tokens at ~0.11 s an iteration): the SLA leaves
+        # the autoscaler's low water (half of it) above that floor, so that it can scale down.
+        "sla_p95_latency_ms": 10_000,
+        "sla_ttft_ms": 3_000,
+        "disruption_budget": 1,
+    }
+
+
+def arrivals(
+    trace: Sequence[TraceRequest],
+    timeline: Timeline,
+    base_rps: float,
+    *,
+    max_prompt: int = 1024,
+    max_output: int = 24,
+    seed: int = 0,
+) -> list[Arrival]:
+    """The trace's hour compressed into the duration, its shape kept, thinned so that its mean
+    is `base_rps` before the timeline's factors; sizes capped to what the demo's engines
+    answer in seconds. Deterministic for a seed."""
+    if not trace:
+        return []
+    rng = random.Random(seed)
+    span = max(trace[-1].at_s - trace[0].at_s, 1e-9)
+    scale = timeline.duration_s / span
+    keep = base_rps * timeline.duration_s / len(trace)  # the thinning before the factors
+    out: list[Arrival] = []
+    for request in trace:
+        t = (request.at_s - trace[0].at_s) * scale
+        if t >= timeline.duration_s:
+            break
+        # Each factor f keeps f × `keep` of the trace's requests at that time (f ≤ 1 / keep).
+        p = keep * timeline.rate_factor(t)
+        copies = int(p) + (1 if rng.random() < p - int(p) else 0)
+        for i in range(copies):
+            out.append(
+                Arrival(
+                    at_s=t + i * 1e-3,
+                    prompt_tokens=max(1, min(request.prompt_tokens, max_prompt)),
+                    output_tokens=max(1, min(request.output_tokens, max_output)),
+                )
+            )
+    return out

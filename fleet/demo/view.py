@@ -1,0 +1,180 @@
+"""What the demo shows while it runs: one `Sample` a second from the fleet's API, the router's
+/state and the clients' results; drawn as a live terminal view (rich) or as plain log lines."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from fleet.demo.load import Replay, Result
+from fleet.demo.plan import DEPLOYMENT
+from fleet.demo.world import World
+
+STATE_ORDER = (
+    "warm",
+    "booting",
+    "loading",
+    "serving",
+    "draining",
+    "drained",
+    "powering_off",
+    "failed",
+    "quarantined",
+    "enrolled",
+)
+WINDOW_S = 15.0  # the clients' p95 and rate are over the last this many seconds
+
+
+@dataclass
+class Sample:
+    t: float  # seconds into the traffic
+    phase: str
+    states: dict[str, int]
+    target: int
+    serving: int
+    on_the_way: int
+    floor: int
+    queue_per_gpu: float | None
+    engine_p95_s: float | None
+    router_waiting: int
+    offered_rps: float
+    client_p95_s: float | None
+    done: int
+    failed: int
+    power_w: float
+    gpus_on: int
+    racks: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    decision: str = ""
+
+
+def p95(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else None
+
+
+def observe(world: World, replay: Replay, phase: str) -> Sample:
+    t = replay.elapsed()
+    results = replay.snapshot()
+    recent = [r for r in results if r.ok and r.sent_at + (r.latency_s or 0) >= t - WINDOW_S]
+    sent_recent = sum(1 for a in replay.arrivals if t - WINDOW_S <= a.at_s < t)
+    servers = world.api("GET", "/servers", params={"limit": 1000})["results"]
+    [scaler] = [
+        r for r in world.api("GET", "/autoscaler")["results"] if r["deployment"] == DEPLOYMENT
+    ]
+    deployment = world.api("GET", f"/deployments/{DEPLOYMENT}")
+    decisions = world.api("GET", f"/autoscaler/{DEPLOYMENT}/decisions", params={"limit": 1})
+    events = world.api("GET", "/events", params={"limit": 8})["results"]
+    racks = world.api("GET", "/racks")["results"]
+    waiting = 0
+    try:
+        router = httpx.get(f"{world.router_url}/state", timeout=2).json()
+        waiting = sum(sum(d["queue"].values()) for d in router["deployments"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass
+    lab = world.colo.state()["servers"] if world.colo is not None else {}
+    signals = scaler.get("signals") or {}
+    return Sample(
+        t=t,
+        phase=phase,
+        states=dict(Counter(s["state"] for s in servers)),
+        target=scaler["target"],
+        serving=scaler["serving"],
+        on_the_way=scaler["on_the_way"],
+        floor=int(deployment.get("floor_servers", 0) or 0),
+        queue_per_gpu=signals.get("queue_per_gpu"),
+        engine_p95_s=signals.get("p95_latency_s"),
+        router_waiting=waiting,
+        offered_rps=sent_recent / min(WINDOW_S, max(t, 1e-9)),
+        client_p95_s=p95([r.latency_s for r in recent if r.latency_s is not None]),
+        done=sum(1 for r in results if r.ok),
+        failed=sum(1 for r in results if not r.ok),
+        power_w=sum(float(s.get("power_w") or 0.0) for s in lab.values()),
+        gpus_on=sum(int(s["gpu_count"]) for s in servers if s.get("power_state") == "on"),
+        racks=racks,
+        events=events,
+        decision=(decisions["results"][0]["reason"] if decisions["results"] else ""),
+    )
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def render(sample: Sample, sla_s: float, header: str) -> Group:
+    """The live view: servers, capacity and latency, racks, events."""
+    states = Table(title="servers", expand=True)
+    for state in STATE_ORDER:
+        if sample.states.get(state):
+            states.add_column(state, justify="right")
+    states.add_row(*(str(sample.states[s]) for s in STATE_ORDER if sample.states.get(s)))
+
+    capacity = Table(title=f"{DEPLOYMENT}: demand, capacity, latency", expand=True)
+    for name in (
+        "offered req/s",
+        "target",
+        "booting",
+        "serving",
+        "calendar floor",
+        "queue/GPU",
+        "router waiting",
+        "p95 s (clients)",
+        "SLA s",
+    ):
+        capacity.add_column(name, justify="right")
+    over = sample.client_p95_s is not None and sample.client_p95_s > sla_s
+    capacity.add_row(
+        _f(sample.offered_rps),
+        str(sample.target),
+        str(sample.on_the_way),
+        str(sample.serving),
+        str(sample.floor),
+        _f(sample.queue_per_gpu, 2),
+        str(sample.router_waiting),
+        Text(_f(sample.client_p95_s), style="bold red" if over else "green"),
+        _f(sla_s),
+    )
+
+    racks = Table(title="racks", expand=True)
+    for name in ("rack", "budget kW", "committed kW", "headroom kW", "drawn now kW"):
+        racks.add_column(name, justify="right")
+    for rack in sample.racks:
+        racks.add_row(
+            rack["name"],
+            _f(rack["budget_w"] / 1000),
+            _f(rack["committed_w"] / 1000),
+            _f(rack["headroom_w"] / 1000),
+            _f(sample.power_w / 1000, 2),
+        )
+
+    events = Table(title="latest events", expand=True, show_header=False)
+    events.add_column("when", no_wrap=True)
+    events.add_column("what", overflow="fold")
+    for event in sample.events[:8]:
+        events.add_row(event["at"][11:19], f"{event['subject']}: {event['message']}"[:160])
+    why = Text(f"last decision: {sample.decision}"[:300], style="italic")
+    title = f"{header}  t = {sample.t:5.0f} s  {sample.phase}"
+    return Group(Panel(Text(title, style="bold")), states, capacity, racks, why, events)
+
+
+def line(sample: Sample) -> str:
+    """The same, as one log line (--no-live)."""
+    states = " ".join(f"{s}={sample.states[s]}" for s in STATE_ORDER if sample.states.get(s))
+    return (
+        f"t={sample.t:5.0f}s {sample.phase:<22} offered={_f(sample.offered_rps)}/s "
+        f"target={sample.target} booting={sample.on_the_way} serving={sample.serving} "
+        f"floor={sample.floor} queue/GPU={_f(sample.queue_per_gpu, 2)} "
+        f"waiting={sample.router_waiting} p95={_f(sample.client_p95_s)}s [{states}]"
+    )
+
+
+def results_p95(results: Sequence[Result]) -> float | None:
+    return p95([r.latency_s for r in results if r.ok and r.latency_s is not None])
