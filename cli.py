@@ -1777,6 +1777,37 @@ def _wait_gone(refs: Sequence[Any], timeout: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# The simulator (fleet/sim/): what-if capacity planning with the production routing code
+
+
+@app.command("simulate")
+@handled
+def simulate(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML (docs/sim.md).")],
+    seed: Annotated[int | None, typer.Option("--seed", help="Overrides the scenario's.")] = None,
+    compare: Annotated[
+        str | None,
+        typer.Option(
+            "--compare",
+            help="Variants run on the SAME requests, comma-separated: a strategy, a batching "
+            "(continuous|static) or strategy/batching.",
+        ),
+    ] = None,
+) -> None:
+    """Simulate a scenario (a FIRST SLICE: routing and batching; the autoscaler, warm pool,
+    faults and charts are not simulated yet — docs/sim.md)."""
+    from fleet.sim import scenario as sim
+
+    loaded = sim.load(scenario)
+    if compare:
+        rows = sim.compare(loaded, [v.strip() for v in compare.split(",") if v.strip()], seed)
+    else:
+        _, summary = sim.run(loaded, seed)
+        rows = [(loaded.name, summary)]
+    typer.echo(sim.table(rows))
+
+
+# ---------------------------------------------------------------------------------------------
 # The demo (fleet/demo/): the whole fleet in one command
 
 

@@ -622,6 +622,14 @@ def _run_every_command(
     monkeypatch.delenv("FLEET_ROUTER_TOKEN", raising=False)
     cmd(("router", "run"), "--port", "0", code=1)
     cmd(("router", "run"), "--port", "0", "--strategy", "fastest", code=1)
+    # The simulator on the example scenario, and on a file that is not there (one line).
+    scenario = Path(__file__).resolve().parent.parent / "scenarios" / "mixed-code.yaml"
+    cmd(("simulate",), str(scenario), "--compare", "round_robin,estimated_completion_time")
+    cmd(("simulate",), str(tmp_path / "no-such-scenario.yaml"), code=1)
+    # The demo's own run is tests/test_demo.py (minutes); here its refusal of a bad directory.
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file")
+    cmd(("demo",), "--no-live", "--dir", str(blocked), code=1)
 
     # The virtual colo's commands on a file full of passwords and on a lab that is not up:
     # one line each, no echo (the lab's own run is tests/test_lab.py).
