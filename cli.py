@@ -1514,7 +1514,7 @@ def prometheus_config(
     ] = None,
     service: Annotated[
         list[str] | None,
-        typer.Option("--service", help="A fleet service process to scrape (repeatable; --url)."),
+        typer.Option("--service", help="A service process to scrape (repeatable; default --url)."),
     ] = None,
     scrape_interval: Annotated[
         float, typer.Option("--scrape-interval", help="Seconds between scrapes.")
@@ -1524,8 +1524,10 @@ def prometheus_config(
 ) -> None:
     """Write a Prometheus configuration for the fleet service, every agent and the routers,
     with file-based discovery: run it again and Prometheus follows without a reload."""
-    from fleet.prometheus_config import build, write
+    from fleet.prometheus_config import build, target_group, write
 
+    for address in [*(service or [url]), *(router or [])]:
+        target_group(address)  # a mistyped URL fails here, before the API is asked
     servers = list(_api(url, token).pages("/api/v1/servers", None))
     files = build(
         services=service or [url],

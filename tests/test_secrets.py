@@ -589,6 +589,10 @@ def _run_every_command(
     # Warm spares, workflow moves and the autopilot.
     cmd(("spares",))
     cmd(("spares",), "-o", "json")
+    cmd(
+        ("prometheus-config",), "--out", str(tmp_path / "prom"), "--router", "http://127.0.0.1:8000"
+    )
+    cmd(("prometheus-config",), "--router", "not-a-url", code=1)
     cmd(("spares", "boot"), "--deployment", "no-such-deployment", "--wait", "0", code=1)
     cmd(("servers", "drain"), s3, code=1)  # not serving: 409, one line
     cmd(("servers", "undrain"), s3, code=1)

@@ -1,34 +1,45 @@
-"""Prometheus metrics of the fleet service: request counters and fleet gauges read at scrape."""
+"""Prometheus metrics of the fleet service (docs/metrics.md lists every series).
+
+- `FleetCollector`: the fleet as the database holds it, read on each scrape (servers, racks,
+  deployments, decisions, warm pool, autopilot, boot and load durations: fleet/metrics_db.py),
+  and the BMC calls this process made (fleet/bmc/metrics.py).
+- `LoopCollector`: the singleton loops of this process.
+- `HttpMetrics`: this process's API requests.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, func, select
+from sqlmodel import Session, col, func, select
 from starlette.requests import Request
 
+from fleet.bmc import metrics as bmc_metrics
 from fleet.loops import SingletonLoop
-from fleet.models import PowerState, Server
+from fleet.metrics_db import MeasuredDurations, families
+from fleet.models import PowerState, Rack, Server, Site
 from fleet.power_sync import is_mismatched
 from fleet.racks import rack_views
 from fleet.states import ServerState
 
 
 class FleetCollector(Collector):
-    """Servers by state and rack power, read from the database on each scrape."""
+    """The fleet read from the database on each scrape, and this process's BMC calls."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self._durations = MeasuredDurations()
 
     def collect(self) -> Iterator[Metric]:
         servers = GaugeMetricFamily(
             "fleet_servers",
-            "Servers by lifecycle state, pool and GPU model",
-            labels=["state", "pool", "gpu_model"],
+            "Servers by lifecycle state, pool, site and GPU model",
+            labels=["state", "pool", "site", "gpu_model"],
         )
         budget = GaugeMetricFamily("fleet_rack_budget_watts", "Usable rack power", labels=["rack"])
         committed = GaugeMetricFamily(
@@ -55,18 +66,23 @@ class FleetCollector(Collector):
                 unreachable_count += reachable is False
             mismatched.add_metric([], flagged)
             unreachable.add_metric([], unreachable_count)
-            rows = session.exec(
-                select(Server.state, Server.pool, Server.gpu_model, func.count()).group_by(
-                    Server.state, Server.pool, Server.gpu_model
-                )
+            keys = (col(Server.state), col(Server.pool), col(Site.name), col(Server.gpu_model))
+            rows = session.connection().execute(
+                sa.select(*keys, func.count())
+                .join(Rack, col(Rack.id) == Server.rack_id)
+                .join(Site, col(Site.id) == Rack.site_id)
+                .group_by(*keys)
             )
-            for state, pool, gpu_model, count in rows:
-                servers.add_metric([str(state), str(pool), gpu_model], count)
+            for state, pool, site, gpu_model, count in rows:
+                servers.add_metric([str(state), str(pool), site, gpu_model], count)
             for view in rack_views(session):
                 budget.add_metric([view.rack.name], view.power.budget_w)
                 committed.add_metric([view.rack.name], view.power.committed_w)
                 headroom.add_metric([view.rack.name], view.power.headroom_w)
+            more = families(session, self._durations)
         yield from (servers, budget, committed, headroom, mismatched, unreachable)
+        yield from more
+        yield from bmc_metrics.collect()
 
 
 class LoopCollector(Collector):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from fleet.models import BmcProtocol, PowerState
 
@@ -120,6 +120,14 @@ class PowerDriver(abc.ABC):
 
     def __init__(self, target: BmcTarget) -> None:
         self.target = target
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every driver's operations are timed and their errors counted: all BMC traffic passes
+        here, whoever calls (fleet/bmc/metrics.py)."""
+        super().__init_subclass__(**kwargs)
+        from fleet.bmc.metrics import instrument_driver
+
+        instrument_driver(cls)
 
     @abc.abstractmethod
     def power_state(self) -> PowerState: ...

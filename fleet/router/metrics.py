@@ -71,6 +71,7 @@ class RouterMetrics:
         )
         self._recent: dict[str, _Window] = {}
         self._recent_ttft: dict[str, _Window] = {}
+        self._known: set[str] = set()
         self.clock: Callable[[], float] = time.monotonic
         r.register(_P95(self))
 
@@ -106,6 +107,15 @@ class RouterMetrics:
         self.replica_inflight.labels(pool.name, replica.url).set(replica.inflight)
 
     def pool(self, pool: DeploymentPool) -> None:
+        if pool.name not in self._known:
+            # Every series of a deployment exists (at 0) from the moment the router knows it:
+            # the first request's increase is then visible to rate() and the quantiles.
+            self._known.add(pool.name)
+            for priority in PRIORITIES:
+                self.requests.labels(pool.name, priority, "200")
+            self.duration.labels(pool.name)
+            self.first_token.labels(pool.name)
+            self.tokens.labels(pool.name)
         self.queue_depth(pool)
         for replica in pool.replicas.values():
             self.replica_inflight.labels(pool.name, replica.url).set(replica.inflight)
