@@ -23,7 +23,7 @@ import yaml
 
 from fleet.router.admission import AdmissionQueue
 from fleet.router.config import RouterSettings
-from fleet.router.estimates import Throughput, prior_capacity
+from fleet.router.estimates import Throughput, prior_capacity, stream_rate
 from fleet.router.pool import DeploymentPool
 from fleet.router.strategy import Replica, make
 
@@ -94,6 +94,12 @@ class WorkerView:
                         server=item.get("server", ""),
                         gpu_model=item.get("gpu_model", ""),
                         capacity=prior,
+                        stream_rate=stream_rate(
+                            item.get("gpu_model", ""),
+                            row.get("model_uri", ""),
+                            tp_size=int(row.get("tp_size") or 1),
+                            prefill_weight=self.settings.prefill_weight,
+                        ),
                         # Not ready until its agent says so (the first /state poll decides);
                         # a replica listed without an agent (a static table) is taken as ready.
                         ready=not item.get("agent_url"),

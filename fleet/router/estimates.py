@@ -84,6 +84,24 @@ class Throughput:
         self._since = now
 
 
+def stream_rate(
+    gpu_model: str, model: str, *, tp_size: int = 1, prefill_weight: float = PREFILL_WEIGHT
+) -> float:
+    """One request's top speed alone on `gpu_model` (work units per second: a token each
+    iteration of a batch of one, its prompt at the prefill weight), from the cost model; inf
+    for hardware it does not know (no floor then)."""
+    try:
+        shape = cost_model.EngineShape(
+            gpu=cost_model.gpu_spec(gpu_model),
+            model=cost_model.guess_model(model),
+            tp_size=max(1, tp_size),
+        )
+        itl = cost_model.predicted_itl_s(shape, 1, NOMINAL_PROMPT, NOMINAL_OUTPUT)
+    except ValueError:
+        return float("inf")
+    return (1 + prefill_weight * NOMINAL_PROMPT / NOMINAL_OUTPUT) / itl
+
+
 def prior_capacity(
     gpu_model: str,
     model: str,

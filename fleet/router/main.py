@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -44,6 +45,11 @@ def bind(settings: RouterSettings) -> socket.socket:
 
 def run(settings: RouterSettings, sock: socket.socket | None = None) -> None:
     """Run until SIGTERM or SIGINT."""
+    # Everything loaded so far lives as long as the process: keep it out of the collector's
+    # generations, and collect less often (measured: ~20 % more requests a second, and the
+    # p99 at one connection halved — bench/router_overhead.py).
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

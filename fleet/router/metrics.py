@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -72,17 +73,27 @@ class RouterMetrics:
         self._recent: dict[str, _Window] = {}
         self._recent_ttft: dict[str, _Window] = {}
         self._known: set[str] = set()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.clock: Callable[[], float] = time.monotonic
         r.register(_P95(self))
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once: prometheus_client's lookup costs a few
+        microseconds, several times per request on the hot path."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def finished(self, deployment: str, priority: str, code: str, seconds: float) -> None:
-        self.requests.labels(deployment, priority, code).inc()
+        self._child(self.requests, deployment, priority, code).inc()
         if code == "200":
-            self.duration.labels(deployment).observe(seconds)
+            self._child(self.duration, deployment).observe(seconds)
             self._recent.setdefault(deployment, _Window()).add(self.clock(), seconds)
 
     def ttft(self, deployment: str, seconds: float) -> None:
-        self.first_token.labels(deployment).observe(seconds)
+        self._child(self.first_token, deployment).observe(seconds)
         self._recent_ttft.setdefault(deployment, _Window()).add(self.clock(), seconds)
 
     def p95s(self, deployment: str) -> tuple[float | None, float | None]:
@@ -97,14 +108,14 @@ class RouterMetrics:
         )
 
     def output(self, deployment: str, tokens: int) -> None:
-        self.tokens.labels(deployment).inc(tokens)
+        self._child(self.tokens, deployment).inc(tokens)
 
     def queue_depth(self, pool: DeploymentPool) -> None:
         for priority in PRIORITIES:
-            self.queue.labels(pool.name, priority).set(pool.queue.depth(priority))
+            self._child(self.queue, pool.name, priority).set(pool.queue.depth(priority))
 
     def inflight(self, pool: DeploymentPool, replica: Replica) -> None:
-        self.replica_inflight.labels(pool.name, replica.url).set(replica.inflight)
+        self._child(self.replica_inflight, pool.name, replica.url).set(replica.inflight)
 
     def pool(self, pool: DeploymentPool) -> None:
         if pool.name not in self._known:

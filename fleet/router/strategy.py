@@ -11,7 +11,8 @@ speed (an L40S decodes a 70B model at about a quarter of an H200's rate). The st
 - `estimated_completion_time`: the replica that would finish the request soonest: its
   outstanding work (prompt tokens in flight, which the router counts exactly, weighted by
   `prefill_weight`, plus the output tokens it still expects of them) plus the request's own cost,
-  divided by its measured throughput (`capacity`, work units per second).
+  divided by its measured throughput (`capacity`, work units per second) — but never less than
+  the request's cost at one stream's top speed on that GPU (`stream_rate`, from the cost model).
 - `model_affinity`: a wrapper that keeps a model on the replicas that have it loaded, and lets
   a hot model spread to the others when those are saturated. The default strategy is
   `estimated_completion_time` behind affinity.
@@ -63,6 +64,7 @@ class Replica:
     prompt_inflight: int = 0  # prompt tokens of the requests in flight
     output_left: float = 0.0  # output tokens the requests in flight are still expected to write
     capacity: float = 1.0  # measured throughput, work units per second (see the module doc)
+    stream_rate: float = float("inf")  # one request's top speed alone, work units per second
     ejected_until: float = 0.0  # monotonic seconds; after repeated failures
 
     def available(self, now: float) -> bool:
@@ -140,10 +142,13 @@ def least_kv() -> _Scored:
 def completion_time(
     replica: Replica, request: Request, prefill_weight: float = PREFILL_WEIGHT
 ) -> float:
-    """Seconds until `replica` would finish `request` after everything it has in flight."""
-    return (replica.work(prefill_weight) + request.cost(prefill_weight)) / max(
-        replica.capacity, 1e-9
-    )
+    """Seconds until `replica` would finish `request` after everything it has in flight: the
+    queue view (all the work at the replica's throughput), but never less than the request
+    alone at one stream's top speed — an idle slow GPU still decodes one token per iteration,
+    and its full-batch throughput would make it look faster than a busy fast one."""
+    cost = request.cost(prefill_weight)
+    queued = (replica.work(prefill_weight) + cost) / max(replica.capacity, 1e-9)
+    return max(queued, cost / max(replica.stream_rate, 1e-9))
 
 
 def estimated_completion_time(prefill_weight: float = PREFILL_WEIGHT) -> _Scored:
