@@ -12,6 +12,21 @@ from sqlmodel import Session, col, select
 from fleet.models import Event, EventPublic, as_utc, utcnow
 
 
+def deployment_event(
+    name: str, at: datetime, actor: str, kind: str, message: str, details: dict[str, Any]
+) -> Event:
+    """An Event about a deployment (scaled, its floor moved, …), its message cut to fit."""
+    return Event(
+        at=at,
+        subject_type="deployment",
+        subject=name,
+        actor=actor,
+        kind=kind,
+        message=message[:2000],
+        details=details,
+    )
+
+
 def set_fields(row: Any, changes: dict[str, Any]) -> list[str]:
     """Set the values in `changes` that differ on `row`; returns the names of those fields."""
     changed = [key for key, value in changes.items() if getattr(row, key) != value]

@@ -23,7 +23,8 @@ from sqlmodel import Session, col, select
 
 from fleet.autoscaler.policy import DeploymentState, PolicyConfig, Signals, aggregate, decide
 from fleet.boot_times import measured_boots, p90
-from fleet.models import Deployment, Event, ScalingDecision, Server, utcnow
+from fleet.events import deployment_event
+from fleet.models import Deployment, ScalingDecision, Server, utcnow
 from fleet.provisioning import get_autopilot
 from fleet.routing_table import router_loads
 from fleet.settings import Settings
@@ -201,15 +202,13 @@ def _record(
             else:
                 deployment.last_scale_down_at = at
         session.add(
-            Event(
-                at=at,
-                subject_type="deployment",
-                subject=deployment.name,
-                actor=ACTOR,
-                kind="deployment.scaled",
-                message=f"target {deployment.target_servers} → {decision.target}: "
-                f"{decision.reason}"[:2000],
-                details={"rule": decision.rule, "delta": decision.delta},
+            deployment_event(
+                deployment.name,
+                at,
+                ACTOR,
+                "deployment.scaled",
+                f"target {deployment.target_servers} → {decision.target}: {decision.reason}",
+                {"rule": decision.rule, "delta": decision.delta},
             )
         )
         deployment.target_servers = decision.target

@@ -33,6 +33,7 @@ from fleet.autoscaler.service import gpus_per_server, replicas_per_server, serve
 from fleet.boot_times import measured_boots, p90_by_model
 from fleet.calendar.cron import CronError, parse, zone
 from fleet.calendar.plan import Due, Lead, Spec, due, floor_servers, lead_time, minutes
+from fleet.events import deployment_event
 from fleet.models import Deployment, Event, ScalingDecision, ScheduleEntry, Server, utcnow
 from fleet.provisioning import get_autopilot
 from fleet.settings import Settings
@@ -216,14 +217,13 @@ def _apply(
     session.add(deployment)
     if not firings:
         session.add(
-            Event(
-                at=at,
-                subject_type="deployment",
-                subject=deployment.name,
-                actor=ACTOR,
-                kind="deployment.floor",
-                message=f"calendar floor {before} → {floor} servers",
-                details={"floor_before": before, "floor_after": floor},
+            deployment_event(
+                deployment.name,
+                at,
+                ACTOR,
+                "deployment.floor",
+                f"calendar floor {before} → {floor} servers",
+                {"floor_before": before, "floor_after": floor},
             )
         )
         return
@@ -278,14 +278,13 @@ def _apply(
         )
     if target_after != target_before:
         session.add(
-            Event(
-                at=at,
-                subject_type="deployment",
-                subject=deployment.name,
-                actor=ACTOR,
-                kind="deployment.scaled",
-                message=f"target {target_before} → {target_after}: calendar floor {floor}",
-                details={"rule": "calendar", "delta": target_after - target_before},
+            deployment_event(
+                deployment.name,
+                at,
+                ACTOR,
+                "deployment.scaled",
+                f"target {target_before} → {target_after}: calendar floor {floor}",
+                {"rule": "calendar", "delta": target_after - target_before},
             )
         )
         deployment.target_servers = target_after
