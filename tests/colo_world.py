@@ -4,13 +4,15 @@ virtual colo (BMC emulators, agents with stand-in engines) in front of them.
 Not a test module: test modules import it (`from colo_world import ...`, as they import
 factories). Importing it starts nothing.
 
+- `wait_for()`: poll until something holds, failing with what the fleet looked like.
 - `ServeProcess`: one `fleetctl serve` in a process group of its own, with the settings given
   (the developer's FLEET_* environment is dropped); started, SIGKILLed, restarted, stopped; its
   /metrics read per control loop.
+- `RouterProcess`: one `fleetctl router run`, likewise, until it is stopped.
 - `Api`: the REST API with a token.
 - `colo_world()`: a service on its embedded SQLite database and a lab of IPMI servers, imported
   and verified (every server warm); everything stopped on the way out, agents first, and no
-  process of the lab left behind.
+  process of the lab left behind (`down_and_check`).
 """
 
 from __future__ import annotations
@@ -46,20 +48,26 @@ START_TIMEOUT_S = 60.0  # `fleetctl serve` from exec to /readyz on a loaded 2-co
 def wait_for(
     what: str,
     probe: Callable[[], T | None],
-    timeout: float,
+    timeout: float = 30.0,
     every: float = 0.1,
     why: Callable[[], str] | None = None,
+    give_up: Callable[[], str | None] | None = None,
 ) -> T:
-    """probe() until it returns something truthy; fails after `timeout` s, saying `why()`.
-    A probe that cannot reach a service (yet) counts as a no."""
+    """probe() every `every` s until it returns something truthy; fails after `timeout` s, or
+    as soon as `give_up()` says why it never will, saying what `why()` says (the fleet's
+    states, a log's tail). A probe that cannot reach a service (yet) counts as a no."""
     deadline = time.monotonic() + timeout
     while True:
         with suppress(httpx.HTTPError, OSError):
             value = probe()
             if value:
                 return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}\n{why() if why else ''}")
+        hopeless = give_up() if give_up is not None else None
+        if hopeless is not None or time.monotonic() >= deadline:
+            pytest.fail(
+                f"{hopeless or f'timed out after {timeout:g} s'} waiting for {what}\n"
+                f"{why() if why else ''}"
+            )
         time.sleep(every)
 
 
@@ -189,6 +197,52 @@ class ServeProcess:
         return f"{self.name} log:\n" + "\n".join(f"  {self.name}| {line}" for line in text)
 
 
+# ---------------------------------------------------------------------------------------------
+# `fleetctl router run`
+
+
+class RouterProcess:
+    """`fleetctl router run [args]` with `settings` (FLEET_* variables, the developer's dropped)
+    on a port of its own, in a process group of its own, its output in `log`; ready (its
+    /readyz answers) when the constructor returns."""
+
+    def __init__(self, log: Path, settings: Mapping[str, str], *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+        env |= settings
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [str(FLEETCTL), "router", "run", *args, "--port", str(self.port)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        wait_for(
+            "the router",
+            lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200,
+            30,
+            why=self.tail,
+        )
+
+    def stop(self) -> None:
+        """SIGTERM its process group, SIGKILL if it takes over 15 s."""
+        with suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+
+    def tail(self, lines: int = 20) -> str:
+        text = self.log.read_text(errors="replace").splitlines()[-lines:]
+        return "router log:\n" + "\n".join(text)
+
+
 @dataclass
 class Api:
     """The REST API of a service, as the holder of `token`."""
@@ -267,9 +321,12 @@ class World:
         env = {"FLEET_URL": self.service.url, "FLEET_TOKEN": self.api.token, "COLUMNS": "250"}
         return self.runner.invoke(cli.app, list(args), env=env)
 
+    def servers(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = self.api("GET", "/servers", params={"limit": 1000})["results"]
+        return rows
+
     def states(self) -> dict[str, str]:
-        rows = self.api("GET", "/servers", params={"limit": 1000})["results"]
-        return {s["name"]: s["state"] for s in rows}
+        return {s["name"]: s["state"] for s in self.servers()}
 
     def why(self) -> str:
         try:

@@ -2,12 +2,12 @@
 reconciler, provisioner, autoscaler) drives the virtual colo (one ipmi_sim per server, real
 agents with STAND-IN engines) with the issue's windows shortened by settings.
 
-The lab: four warm 2 × L40S servers (IPMI, so a power-off applies at once). The deployment
-serves Llama-3.1-70B FP8 with tp_size 2 (one replica per server) and max_batch_size 2: each
-replica runs two requests at a time (~10 tokens/s each on the stand-in's cost model) and queues
-the rest, which the engine reports as numQueuedRequests (/metrics) → the agent's replica stats
-`queued` → the heartbeat → Server.replicas → the autoscaler's queue per GPU. Its SLAs are an
-hour, so that the queue alone drives the scaling.
+The lab (tests/colo_world.py): four warm 2 × L40S servers (IPMI, so a power-off applies at
+once). The deployment serves Llama-3.1-70B FP8 with tp_size 2 (one replica per server) and
+max_batch_size 2: each replica runs two requests at a time (~10 tokens/s each on the stand-in's
+cost model) and queues the rest, which the engine reports as numQueuedRequests (/metrics) → the
+agent's replica stats `queued` → the heartbeat → Server.replicas → the autoscaler's queue per
+GPU. Its SLAs are an hour, so that the queue alone drives the scaling.
 
 One scenario, in order:
 
@@ -34,28 +34,19 @@ import itertools
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, suppress
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import httpx
 import pytest
-import yaml
-from typer.testing import CliRunner, Result
+from colo_world import World, colo_world, ipmi_inventory, parse_at
+from colo_world import wait_for as _wait_for
 
-import cli
-from fleet import db
 from fleet.autoscaler.policy import Signals, aggregate
-from fleet.lab.colo import ProcRef, VirtualColo, recorded_processes
-from fleet.lab.sushy import free_port
 
 if shutil.which("ipmi_sim") is None or shutil.which("ipmitool") is None:
     if os.environ.get("CI") == "true":
@@ -63,9 +54,6 @@ if shutil.which("ipmi_sim") is None or shutil.which("ipmitool") is None:
     pytest.skip(
         "ipmi_sim/ipmitool not installed (Debian openipmi, ipmitool)", allow_module_level=True
     )
-
-T = TypeVar("T")
-FLEETCTL = Path(sys.executable).parent / "fleetctl"
 
 # The autoscaler, shortened: a tick a second, up after 5 s over, down after 15 s under.
 INTERVAL_S = 1.0
@@ -124,150 +112,17 @@ SPIKE_CLIENTS = 14
 LIGHT_CLIENTS = 1
 WATCH_S = 0.5  # the watcher's (and the router's) view of the fleet is refreshed this often
 SERVE_TIMEOUT_S = 90.0  # one spare from warm to serving, on a busy 2-core machine
-
-
-def wait_for(
-    what: str,
-    probe: Callable[[], T | None],
-    timeout: float,
-    every: float = 0.2,
-    why: Callable[[], str] | None = None,
-) -> T:
-    """probe() until it returns something truthy; fails after `timeout` s, saying `why()`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with suppress(httpx.HTTPError, OSError):
-            value = probe()
-            if value:
-                return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}\n{why() if why else ''}")
-        time.sleep(every)
-
-
-def parse_at(text: str) -> float:
-    """An API timestamp (ISO 8601, UTC) as epoch seconds."""
-    at = datetime.fromisoformat(text)
-    return (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()
-
-
-def inventory() -> str:
-    """One rack of four 2 × L40S servers behind IPMI, power for all of them."""
-    feeds = [
-        {"name": f"{side.lower()}1", "side": side, "volts": 415, "amps": 63, "phase": "three"}
-        for side in "AB"
-    ]
-    servers = [
-        {
-            "name": name,
-            "u": 1 + 2 * i,
-            "u_height": 2,
-            "gpu": {"model": "L40S", "count": GPUS_PER_SERVER},
-            "power": {"idle_w": 700, "standby_w": 60, "max_w": 1500},
-            "bmc": {
-                "protocol": "ipmi",
-                "address": "10.0.0.1",  # the lab rewrites it
-                "port": 623,
-                "username": "root",
-                "password": "not-used-by-the-lab",
-            },
-        }
-        for i, name in enumerate(SERVERS)
-    ]
-    doc = {"sites": [{"name": SITE, "racks": [{"name": RACK, "feeds": feeds, "servers": servers}]}]}
-    return yaml.safe_dump(doc, sort_keys=False)
+# Polled every 0.2 s: waits read the API at most five times a second on the busy machine.
+wait_for = partial(_wait_for, every=0.2)
 
 
 # ---------------------------------------------------------------------------------------------
-# The service: `fleetctl serve` on its embedded SQLite database, loops on
+# The world (tests/colo_world.py): `fleetctl serve` on its embedded SQLite database, loops on,
+# and the lab; what the test asks of them about the deployment (through the API and the CLI)
 
 
-class Service:
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = data_dir / "serve.log"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-        self.env |= {"FLEET_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", **SERVICE_SETTINGS}
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> str:
-        """Start, wait until ready; the admin token."""
-        args = [str(FLEETCTL), "serve", "--host", "127.0.0.1", "--port", str(self.port)]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [*args, "--admin-token"],
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        wait_for(
-            "the service to answer /readyz",
-            lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200,
-            60,
-            why=self.tail,
-        )
-        return wait_for("the admin token", self._token, 10, why=self.tail)
-
-    def _token(self) -> str | None:
-        for line in self.log.read_text(errors="replace").splitlines():
-            if line.startswith("admin token: "):
-                return line.split(": ", 1)[1].strip()
-        return None
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            with suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "service log:\n" + "\n".join(text.splitlines()[-lines:])
-
-
-# ---------------------------------------------------------------------------------------------
-# The world: service + lab, and what the test asks of them (through the API and the CLI)
-
-
-@dataclass
-class World:
-    service: Service
-    colo: VirtualColo
-    token: str
-    runner: CliRunner = field(default_factory=CliRunner)
-
-    def api(self, method: str, path: str, **kwargs: Any) -> Any:
-        headers = {"Authorization": f"Bearer {self.token}"}
-        reply = httpx.request(
-            method, f"{self.service.url}/api/v1{path}", headers=headers, timeout=30, **kwargs
-        )
-        assert reply.status_code < 400, f"{method} {path}: {reply.status_code} {reply.text}"
-        return reply.json()
-
-    def fleetctl(self, *args: str) -> Result:
-        env = {"FLEET_URL": self.service.url, "FLEET_TOKEN": self.token, "COLUMNS": "250"}
-        return self.runner.invoke(cli.app, list(args), env=env)
-
-    def servers(self) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = self.api("GET", "/servers", params={"limit": 1000})["results"]
-        return rows
-
-    def states(self) -> dict[str, str]:
-        return {s["name"]: s["state"] for s in self.servers()}
+class ScalingWorld(World):
+    """colo_world's World, with the deployment's autoscaler row, decisions and Events."""
 
     def autoscaler(self) -> dict[str, Any]:
         rows = self.api("GET", "/autoscaler")["results"]
@@ -276,17 +131,14 @@ class World:
 
     def decisions(self, after: int = 0) -> list[dict[str, Any]]:
         """The deployment's scaling decisions with an id above `after`, oldest first."""
-        rows = self.api("GET", f"/autoscaler/{DEPLOYMENT}/decisions", params={"limit": 1000})
-        return sorted((r for r in rows["results"] if r["id"] > after), key=lambda r: r["id"])
+        return [d for d in self.api.decisions(DEPLOYMENT) if d["id"] > after]
 
     def last_decision_id(self) -> int:
         rows = self.decisions()
         return int(rows[-1]["id"]) if rows else 0
 
     def events(self, subject: str, kind: str) -> list[dict[str, Any]]:
-        params = {"subject": subject, "kind": kind, "limit": 1000}
-        rows: list[dict[str, Any]] = self.api("GET", "/events", params=params)["results"]
-        return sorted(rows, key=lambda r: r["id"])
+        return self.api.events(subject=subject, kind=kind)
 
     def why(self) -> str:
         try:
@@ -301,64 +153,15 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScalingWorld]:
     """The service, the lab (every server warm) and nothing else; everything stopped at the
-    end, whatever happened: agents first (the lab), then the service."""
+    end, whatever happened: agents first (the lab, no process of it left), then the service."""
     base = tmp_path_factory.mktemp("autoscaler-e2e")
-    with ExitStack() as stack:
-        service = Service(base)
-        stack.callback(service.stop)
-        token = service.start()
-        engine = db.make_engine(f"sqlite:///{base / 'fleet.db'}")  # for the agents' tokens
-        stack.callback(engine.dispose)
-        colo = VirtualColo(
-            inventory(),
-            base / "lab",
-            token_for=cli._lab_token_maker(engine),
-            fleet_url=service.url,
-            boot_delay_s=BOOT_DELAY_S,
-            agent_env=AGENT_ENV,
-        )
-        stack.callback(_down_and_check, colo)
-        colo.up()
-        world = World(service, colo, token)
-        reply = httpx.post(
-            f"{service.url}/api/v1/inventory/import",
-            content=colo.rewritten_yaml().encode(),
-            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/yaml"},
-            timeout=60,
-        )
-        assert reply.status_code == 200, reply.text
-        # Verify every BMC (found off: warm). One the reconciler reads at that moment is busy:
-        # verified again, a bounded few times.
-        for _ in range(5):
-            verified = world.fleetctl("servers", "verify", "-o", "json")
-            if verified.exit_code == 0:
-                break
-            assert "another power action is in progress" in verified.stdout, verified.stdout
-            time.sleep(0.5)
-        assert verified.exit_code == 0, verified.stdout + verified.stderr
-        wait_for(
-            "every server warm",
-            lambda: set(world.states().values()) == {"warm"},
-            30,
-            why=world.why,
-        )
-        yield world
-
-
-def _down_and_check(colo: VirtualColo) -> None:
-    """Stop the lab; every process it recorded (emulators, agents) must be gone."""
-    refs: list[ProcRef] = []
-    with suppress(Exception):
-        refs = [ref for _, ref in recorded_processes(colo.state())]
-    colo.down()
-    deadline = time.monotonic() + 10
-    left = [r for r in refs if r.pid != os.getpid() and r.alive()]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = [r for r in left if r.alive()]
-    assert not left, f"processes left after the lab went down: {left}"
+    inventory = ipmi_inventory(SITE, RACK, SERVERS, "L40S", GPUS_PER_SERVER)
+    with colo_world(
+        base, inventory, SERVICE_SETTINGS, boot_delay_s=BOOT_DELAY_S, agent_env=AGENT_ENV
+    ) as w:
+        yield ScalingWorld(w.service, w.colo, w.api, w.database)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +187,7 @@ class Watcher:
     """Samples the fleet every WATCH_S through the API: the servers' states and last replica
     stats (aggregated with the autoscaler's own `aggregate`) and the deployment's target."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: ScalingWorld) -> None:
         self.world = world
         self.samples: list[Sample] = []
         self.errors = 0
@@ -539,7 +342,7 @@ def _queue(s: Sample) -> float:
 
 
 def test_a_queue_spike_scales_out_after_the_up_window_and_back_in_after_the_down_window(
-    world: World,
+    world: ScalingWorld,
 ) -> None:
     # 0. The deployment, created through the API with min_replicas 1, started by an operator's
     # `spares boot --count 1` (target 1). The autopilot is paused meanwhile: else the
@@ -736,7 +539,7 @@ def test_a_queue_spike_scales_out_after_the_up_window_and_back_in_after_the_down
         print(f"  t = {at - t0:+7.1f} s  {what}")
 
 
-def _check_scale_up(world: World, up: dict[str, Any], over_at: float, after_id: int) -> None:
+def _check_scale_up(world: ScalingWorld, up: dict[str, Any], over_at: float, after_id: int) -> None:
     """The decision that raised the target: the queue's rule, its numbers, its timing (from
     when this test first saw the queue over the target, and from the autoscaler's own first
     observation over it), its Event."""
@@ -781,7 +584,7 @@ def _check_scale_up(world: World, up: dict[str, Any], over_at: float, after_id: 
     assert event["details"] == {"rule": up["rule"], "delta": MAX_REPLICAS - 1}, event
 
 
-def _check_cli(world: World, up: dict[str, Any]) -> None:
+def _check_cli(world: ScalingWorld, up: dict[str, Any]) -> None:
     status = world.fleetctl("autoscaler", "status")
     assert status.exit_code == 0, status.stdout + status.stderr
     print(f"fleetctl autoscaler status:\n{status.stdout}")

@@ -23,17 +23,16 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from colo_world import World, colo_world, ipmi_inventory, wait_for
+from colo_world import RouterProcess, World, colo_world, ipmi_inventory, wait_for
 
 from fleet import db
 from fleet.auth import create_token
@@ -64,7 +63,6 @@ if _missing:
 ROOT = Path(__file__).resolve().parent.parent
 METRICS_DOC = ROOT / "docs" / "metrics.md"
 DASHBOARD = ROOT / "docs" / "grafana" / "fleet.json"
-FLEETCTL = Path(sys.executable).parent / "fleetctl"
 
 SITE, RACK = "prom", "prom-r01"
 SERVERS = tuple(f"{RACK}-l40s-{i}" for i in range(1, 4))
@@ -267,35 +265,17 @@ class Prometheus:
         return "prometheus log:\n" + "\n".join(text)
 
 
-class Router:
+class Router(RouterProcess):
     """`fleetctl router run` on the fleet's routing table (a router token)."""
 
     def __init__(self, base: Path, fleet_url: str, token: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = base / "router.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-        env |= {
+        settings = {
             "FLEET_ROUTER_FLEET_URL": fleet_url,
             "FLEET_ROUTER_TOKEN": token,
             "FLEET_ROUTER_FLEET_POLL_S": "0.5",
             "FLEET_ROUTER_REPORT_S": "1",
         }
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [str(FLEETCTL), "router", "run", "--port", str(self.port)],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        wait_for(
-            "the router",
-            lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200,
-            30,
-            why=self.tail,
-        )
+        super().__init__(base / "router.log", settings)
 
     def ready_replicas(self) -> int:
         rows = httpx.get(f"{self.url}/state", timeout=5).json()["deployments"]
@@ -306,18 +286,6 @@ class Router:
             for replica in row.get("replicas", [])
             if replica.get("ready")
         )
-
-    def stop(self) -> None:
-        with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
-
-    def tail(self) -> str:
-        return "router log:\n" + "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
 
 
 def write_config(world: World, out: Path, router: Router) -> None:

@@ -35,17 +35,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 import sqlalchemy as sa
 import yaml
+from colo_world import wait_for as _wait_for
 from factories import TEST_SECRET_KEY
 from pg import ADMIN_URL, throwaway_database
 from sqlalchemy.engine import Engine
@@ -68,7 +70,6 @@ if shutil.which("ipmi_sim") is None or shutil.which("ipmitool") is None:
         "ipmi_sim/ipmitool not installed (Debian openipmi, ipmitool)", allow_module_level=True
     )
 
-T = TypeVar("T")
 FLEETCTL = Path(sys.executable).parent / "fleetctl"
 
 # The service: fast ticks, and deadlines the lab's Redfish delays (sushy applies a Reset 1-11 s
@@ -127,29 +128,8 @@ L40S_MAX_W, L40S_STANDBY_W = 2500.0, 60.0
 SETTLED = frozenset({"warm", "serving", "failed", "quarantined", "enrolled"})
 
 
-def wait_for(
-    what: str,
-    probe: Callable[[], T | None],
-    timeout: float,
-    every: float = 0.2,
-    why: Callable[[], str] | None = None,
-    give_up: Callable[[], str | None] | None = None,
-) -> T:
-    """probe() until it returns something truthy; fails after `timeout` seconds, or as soon as
-    `give_up()` says why it never will, saying what `why()` says (the fleet's states...)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with suppress(httpx.HTTPError, OSError):
-            value = probe()
-            if value:
-                return value
-        hopeless = give_up() if give_up is not None else None
-        if hopeless is not None or time.monotonic() >= deadline:
-            pytest.fail(
-                f"{hopeless or f'timed out after {timeout:g} s'} waiting for {what}\n"
-                f"{why() if why else ''}"
-            )
-        time.sleep(every)
+# Polled every 0.2 s: waits read the API and the database at most five times a second.
+wait_for = partial(_wait_for, every=0.2)
 
 
 # ---------------------------------------------------------------------------------------------

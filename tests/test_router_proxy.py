@@ -26,34 +26,26 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, suppress
+from collections.abc import Iterator
+from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
 import pytest
 from aiohttp import web
+from colo_world import RouterProcess
+from colo_world import wait_for as _wait_for
 
 from fleet.lab.sushy import free_port
 
-T = TypeVar("T")
-FLEETCTL = Path(sys.executable).parent / "fleetctl"
 DEPLOYMENT = "llama"
 MODEL = "llama-3.1-8b"
 
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        with suppress(httpx.HTTPError, OSError):
-            value = probe()
-            if value:
-                return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
+# The router and the engines change state within milliseconds: polled every 50 ms.
+wait_for = partial(_wait_for, every=0.05)
 
 
 class Engine:
@@ -139,27 +131,15 @@ class AgentDouble:
         self._thread.join(10)
 
 
-class Router:
+class Router(RouterProcess):
     """`fleetctl router run --table FILE` as a process."""
 
     def __init__(self, tmp: Path, replicas: list[dict[str, Any]], **settings: str) -> None:
-        self.table = tmp / f"table-{free_port()}.json"
+        n = free_port()  # a number of its own for its files
+        self.table = tmp / f"table-{n}.json"
         self.write(replicas)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"router-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-        env |= {"FLEET_ROUTER_FLEET_POLL_S": "0.2", **settings}
-        args = [str(FLEETCTL), "router", "run", "--table", str(self.table)]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [*args, "--port", str(self.port)],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        wait_for("the router", lambda: httpx.get(f"{self.url}/readyz").status_code == 200)
+        settings = {"FLEET_ROUTER_FLEET_POLL_S": "0.2", **settings}
+        super().__init__(tmp / f"router-{n}.log", settings, "--table", str(self.table))
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 
     def write(self, replicas: list[dict[str, Any]], max_batch: int | None = None) -> None:
@@ -176,18 +156,6 @@ class Router:
     def state(self) -> dict[str, Any]:
         [row] = httpx.get(f"{self.url}/state", timeout=5).json()["deployments"]
         return dict(row)
-
-    def stop(self) -> None:
-        with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
 
 
 def replica(engine: Engine, gpu: str, agent: str | None = None) -> dict[str, Any]:
