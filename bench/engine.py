@@ -46,6 +46,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from measure import cpu_seconds, free_port, pct  # run as a script: bench/ is on sys.path
+
 from agents.engine import cost_model as cm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,18 +185,6 @@ class Result:
     sizes: list[tuple[int, int]]  # (prompt, output) of the requests sent in the window
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @contextmanager
 def standin(gpu: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_STANDIN_")}
@@ -223,13 +213,6 @@ def standin(gpu: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run_case(

@@ -77,7 +77,6 @@ import json
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -97,6 +96,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/routing.py` puts bench/, not the repo, on the path
     sys.path.insert(0, str(REPO))
 
+from measure import cpu_seconds, free_port, pct  # noqa: E402 - bench/ is on sys.path
+
 from agents.engine import cost_model as cm  # noqa: E402
 from fleet.router.estimates import prior_capacity  # noqa: E402
 from fleet.router.strategy import PREFILL_WEIGHT, STRATEGIES  # noqa: E402
@@ -109,29 +110,6 @@ HOST = "127.0.0.1"
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (its own, not its children's)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
