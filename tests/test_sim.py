@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from agents.engine import cost_model as cm
 from fleet.sim.arrivals import Arrival, Constant, Diurnal, FixedSizes, poisson
 from fleet.sim.core import DeploymentSpec, Simulation, summarize
 from fleet.sim.engine import Engine, SimRequest
-from fleet.sim.scenario import Scenario, compare, generate, run, run_requests
+from fleet.sim.scenario import Scenario, compare, generate, load, run, run_requests, table
 
 MIXED: dict[str, Any] = {
     "name": "mixed-code",
@@ -120,3 +121,102 @@ def test_run_and_bad_scenario() -> None:
     bad = MIXED | {"deployments": [MIXED["deployments"][0] | {"strategy": "fastest"}]}
     with pytest.raises(ValueError, match="unknown strategy"):
         Scenario.model_validate(bad)
+
+
+# --- the autoscaler ---------------------------------------------------------------------------
+
+SPIKE: dict[str, Any] = {
+    "name": "spike-autoscale",
+    "seed": 3,
+    "deployments": [
+        {
+            "name": "chat",
+            "replicas": {"H100": 1},
+            "max_batch_size": 16,
+            "sla": {"latency_s": 20, "ttft_s": 2},
+            "arrivals": {
+                "rate": {
+                    "rps": 5,
+                    "spikes": [{"at_s": 300, "duration_s": 600, "multiplier": 8}],
+                },
+                "duration_s": 2100,
+                "sizes": {"prompt": 500, "output": 100},
+            },
+            "autoscale": {
+                "down_window_s": 300,
+                "cooldown_down_s": 120,
+                "boot_s": 60,
+                "max_replicas": 6,
+                "warm_pool": {"H100": 5},
+            },
+        }
+    ],
+}
+
+
+def _with_autoscale(**changes: Any) -> dict[str, Any]:
+    dep = SPIKE["deployments"][0]
+    return SPIKE | {"deployments": [dep | {"autoscale": dep["autoscale"] | changes}]}
+
+
+def test_autoscaler_follows_a_spike() -> None:
+    """One H100 at 5 req/s, ×8 for 10 minutes (40 req/s, more than one engine serves): the
+    production policy raises the target during the spike (queue_high, the ratio's step) and
+    scales down one replica at a time after it, back to min_replicas."""
+    sc = Scenario.model_validate(SPIKE)
+    result, summary = run(sc)
+    tl = result.timeline
+    ups = [p for p in tl if p.rule == "queue_high"]
+    assert ups and 300 + 60 <= ups[0].at < 900  # after the up window, within the spike
+    assert ups[0].target >= 2
+    during = [p for p in tl if 300 <= p.at < 900]
+    assert max(p.target for p in during) == 6  # max_replicas
+    assert max(p.serving for p in during) == 6  # booted (60 s) and serving
+    downs = [p for p in tl if p.rule == "scale_down"]
+    assert downs and all(
+        b.target == a.target - 1 for a, b in itertools.pairwise(tl) if b.rule == "scale_down"
+    )
+    assert tl[-1].target == 1 and tl[-1].serving == 1
+    assert any(p.at >= 900 for p in downs)
+    assert summary.exhaustions == 0 and summary.peak_replicas == 6
+    # GPU-hours count only the replicas that were on (booting included)
+    span_h = summary.span_s / 3600
+    assert span_h < summary.gpu_hours < 6 * span_h
+    assert summary.booting_gpu_hours == pytest.approx(5 * 60 / 3600)
+    # Deterministic for a seed
+    again, _ = run(sc)
+    assert again.timeline == tl
+    assert [r.finish for r in again.requests] == [r.finish for r in result.requests]
+
+
+def test_autoscaler_records_warm_pool_exhaustion() -> None:
+    sc = Scenario.model_validate(_with_autoscale(warm_pool={"H100": 1}, boot_s={"mean": 60}))
+    result, summary = run(sc)
+    assert summary.exhaustions > 0
+    assert summary.first_exhaustion_s is not None and 360 <= summary.first_exhaustion_s < 900
+    assert result.exhaustions[0].short >= 1
+    assert max(p.serving + p.booting for p in result.timeline) == 2  # 1 + the one spare
+    assert "exh" in table([("spike", summary)])
+
+
+def test_autoscale_schema_errors_and_off_by_default() -> None:
+    assert Scenario.model_validate(MIXED).deployments[0].autoscale is None
+    dep = SPIKE["deployments"][0]
+    no_sla = SPIKE | {"deployments": [dep | {"sla": {"latency_s": 20}}]}
+    with pytest.raises(ValueError, match="autoscale needs sla"):
+        Scenario.model_validate(no_sla)
+    with pytest.raises(ValueError, match="exceeds max_replicas"):
+        Scenario.model_validate(_with_autoscale(min_replicas=7))
+    with pytest.raises(ValueError, match="negative count"):
+        Scenario.model_validate(_with_autoscale(warm_pool={"H100": -1}))
+    with pytest.raises(ValueError, match="boot_s"):
+        Scenario.model_validate(_with_autoscale(boot_s=0))
+    with pytest.raises(ValueError, match="interval_s"):
+        Scenario.model_validate(_with_autoscale(interval_s=-1))
+
+
+def test_example_scenario_loads() -> None:
+    sc = load("scenarios/spike-autoscale.yaml")
+    a = sc.deployments[0].spec().autoscale
+    assert a is not None and a.warm_pool is None and a.boot.p90_s > a.boot.mean_s
+    assert sc.warm_pool == {"H100": 6}

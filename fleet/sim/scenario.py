@@ -20,6 +20,17 @@
         #   rate: {kind: diurnal, mean_rps: 5, amplitude: 0.5}   # constant: {rps}; spikes: [...]
         #   duration_s: 3600
         #   sizes: {trace: code}            # or {prompt: 1000, output: 200}
+        # autoscale:                # off unless given (fleet/sim/autoscale.py)
+        #   interval_s: 15          # these five default to fleet/settings.py's
+        #   queue_per_gpu: 10
+        #   up_window_s: 60
+        #   down_window_s: 600
+        #   cooldown_down_s: 300
+        #   min_replicas: 1
+        #   max_replicas: 8
+        #   boot_s: {mean: 900, sd: 120}    # or seconds; default 1200 (boot_estimate_s)
+        #   warm_pool: {H100: 4}    # its own spares; default: the scenario's warm_pool
+    warm_pool: {H100: 6}        # spares shared by autoscaled deployments without their own
 
 Capacity (for `load`): the cost model's steady state for the deployment's request mix at
 max_batch_size streams per engine, summed (as bench/routing.py computes it).
@@ -33,11 +44,19 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from agents.engine import cost_model
 from fleet.router.strategy import STRATEGIES
 from fleet.sim import arrivals as arr
+from fleet.sim.autoscale import AutoscaleSpec, BootTime
 from fleet.sim.core import DeploymentSpec, RunResult, Simulation, Summary, summarize
 from fleet.sim.engine import SimRequest
 
@@ -110,6 +129,80 @@ class SlaModel(_Strict):
     ttft_s: float | None = Field(default=None, gt=0)
 
 
+def _check_pool(v: dict[str, int] | None) -> dict[str, int] | None:
+    for gpu, n in (v or {}).items():
+        cost_model.gpu_spec(gpu)
+        if n < 0:
+            raise ValueError(f"{gpu}: a negative count")
+    return v
+
+
+class BootModel(_Strict):
+    """Boot-to-ready seconds: normal(mean, sd) (cut at 10 % of the mean), or fixed (sd 0)."""
+
+    mean: float = Field(gt=0)
+    sd: float = Field(default=0.0, ge=0)
+
+
+class AutoscaleModel(_Strict):
+    """The autoscaler's knobs (defaults: fleet/settings.py) and where its spares come from."""
+
+    interval_s: float = Field(default=15.0, gt=0)
+    queue_per_gpu: float = Field(default=10.0, gt=0)
+    up_window_s: float = Field(default=60.0, ge=0)
+    down_window_s: float = Field(default=600.0, ge=0)
+    cooldown_down_s: float = Field(default=300.0, ge=0)
+    cooldown_up_s: float | None = Field(default=None, ge=0)  # None: the up window
+    lookahead: bool = True
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=1000, ge=1)
+    warm_pool: dict[str, int] | None = None  # None: the scenario's shared warm_pool
+    boot_s: float | BootModel = Field(default=1200.0)  # fleet.settings boot_estimate_s
+
+    @field_validator("warm_pool")
+    @classmethod
+    def _pool(cls, v: dict[str, int] | None) -> dict[str, int] | None:
+        return _check_pool(v)
+
+    @field_validator("boot_s")
+    @classmethod
+    def _boot(cls, v: float | BootModel) -> float | BootModel:
+        if isinstance(v, (int, float)) and not v > 0:
+            raise ValueError("boot_s must be > 0 seconds (or {mean, sd})")
+        return v
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleModel:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})"
+            )
+        return self
+
+    def spec(self, sla: SlaModel) -> AutoscaleSpec:
+        boot = (
+            BootTime(self.boot_s.mean, self.boot_s.sd)
+            if isinstance(self.boot_s, BootModel)
+            else BootTime(float(self.boot_s))
+        )
+        assert sla.latency_s is not None and sla.ttft_s is not None
+        return AutoscaleSpec(
+            interval_s=self.interval_s,
+            queue_per_gpu=self.queue_per_gpu,
+            up_window_s=self.up_window_s,
+            down_window_s=self.down_window_s,
+            cooldown_down_s=self.cooldown_down_s,
+            cooldown_up_s=self.cooldown_up_s,
+            lookahead=self.lookahead,
+            min_replicas=self.min_replicas,
+            max_replicas=self.max_replicas,
+            warm_pool=None if self.warm_pool is None else tuple(self.warm_pool.items()),
+            boot=boot,
+            sla_p95_s=sla.latency_s,
+            sla_ttft_s=sla.ttft_s,
+        )
+
+
 class DeploymentModel(_Strict):
     name: str
     model: str = "llama-3.1-8b"
@@ -123,6 +216,15 @@ class DeploymentModel(_Strict):
     batching: Literal["continuous", "static"] = "continuous"
     sla: SlaModel = SlaModel()
     arrivals: ArrivalsModel
+    autoscale: AutoscaleModel | None = None  # None: a fixed fleet (the default)
+
+    @model_validator(mode="after")
+    def _autoscaled(self) -> DeploymentModel:
+        if self.autoscale is not None and (self.sla.latency_s is None or self.sla.ttft_s is None):
+            raise ValueError(
+                "autoscale needs sla.latency_s and sla.ttft_s (the policy's latency targets)"
+            )
+        return self
 
     @field_validator("model")
     @classmethod
@@ -165,6 +267,7 @@ class DeploymentModel(_Strict):
             router_limit=self.router_limit,
             latency_sla_s=self.sla.latency_s,
             ttft_sla_s=self.sla.ttft_s,
+            autoscale=None if self.autoscale is None else self.autoscale.spec(self.sla),
         )
 
 
@@ -173,6 +276,14 @@ class Scenario(_Strict):
     seed: int = 0
     warmup: float = Field(default=0.0, ge=0, lt=1)
     deployments: list[DeploymentModel] = Field(min_length=1)
+    # Warm spares shared by the autoscaled deployments without a warm_pool of their own
+    warm_pool: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("warm_pool")
+    @classmethod
+    def _pool(cls, v: dict[str, int]) -> dict[str, int]:
+        _check_pool(v)
+        return v
 
 
 class ScenarioError(ValueError):
@@ -278,13 +389,21 @@ def run_requests(
     strategy: str | None = None,
     batching: str | None = None,
     per_iteration: bool = False,
+    seed: int | None = None,
 ) -> RunResult:
+    """One run; `seed` (default: the scenario's) draws the boot times."""
     specs = [d.spec(strategy, batching) for d in scenario.deployments]
-    return Simulation(specs, per_iteration=per_iteration).run(_fresh(requests))
+    sim = Simulation(
+        specs,
+        per_iteration=per_iteration,
+        warm_pool=tuple(scenario.warm_pool.items()),
+        seed=scenario.seed if seed is None else seed,
+    )
+    return sim.run(_fresh(requests))
 
 
 def run(scenario: Scenario, seed: int | None = None) -> tuple[RunResult, Summary]:
-    result = run_requests(scenario, generate(scenario, seed))
+    result = run_requests(scenario, generate(scenario, seed), seed=seed)
     return result, summarize(result, warmup=scenario.warmup)
 
 
@@ -314,16 +433,18 @@ def compare(
     rows: list[tuple[str, Summary]] = []
     for v in variants:
         strategy, batching = parse_variant(v)
-        result = run_requests(scenario, requests, strategy=strategy, batching=batching)
+        result = run_requests(scenario, requests, strategy=strategy, batching=batching, seed=seed)
         rows.append((v, summarize(result, warmup=scenario.warmup)))
     return rows
 
 
 def table(rows: Sequence[tuple[str, Summary]]) -> str:
-    """A plain-text table of summaries (seconds; SLA as a percentage)."""
+    """A plain-text table of summaries (seconds; SLA as a percentage; peak replicas serving
+    or booting, and warm-pool exhaustions)."""
     head = (
         f"{'variant':<34} {'reqs':>6} {'lat p50':>8} {'p95':>8} {'p99':>8} "
-        f"{'ttft p50':>8} {'p95':>8} {'p99':>8} {'SLA':>6} {'GPU-h':>7} {'kWh':>7}"
+        f"{'ttft p50':>8} {'p95':>8} {'p99':>8} {'SLA':>6} {'GPU-h':>7} {'kWh':>7} "
+        f"{'peak':>5} {'exh':>4}"
     )
     lines = [head, "-" * len(head)]
     for name, s in rows:
@@ -331,6 +452,7 @@ def table(rows: Sequence[tuple[str, Summary]]) -> str:
         lines.append(
             f"{name:<34} {s.requests:>6} {s.latency_p50:>8.2f} {s.latency_p95:>8.2f} "
             f"{s.latency_p99:>8.2f} {s.ttft_p50:>8.3f} {s.ttft_p95:>8.3f} {s.ttft_p99:>8.3f} "
-            f"{sla:>6} {s.gpu_hours:>7.2f} {s.kwh:>7.2f}"
+            f"{sla:>6} {s.gpu_hours:>7.2f} {s.kwh:>7.2f} {s.peak_replicas:>5} "
+            f"{s.exhaustions:>4}"
         )
     return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""The autoscaler in the simulator: the production policy (fleet/autoscaler/policy.py), imported.
+
+Every `interval_s` of simulated time each autoscaled deployment is observed the way the
+leader's tick observes it (fleet/autoscaler/service.py `autoscale_once`):
+
+- one heartbeat per serving replica (a simulated engine is one server of `tp_size` GPUs, one
+  replica): `queued` (the engine's own queue), `running`, `kv_used_fraction`, and `e2e_p95_s` /
+  `ttft_p95_s` over the requests it finished in the last `STATS_WINDOW_S` (the agent's
+  stats_window_s), measured from when the engine received them, as its histograms do;
+- the router's load (`RouterLoad`): the requests waiting in its room, and the p95s its clients
+  see over the same window (from arrival, the router's queueing included);
+- `aggregate` turns them into one `Signals`; a window of them is kept as `History` keeps it,
+  `DeploymentState` is built as `_state` builds it (servers = replicas, `boot_p90_s` from the
+  boot-time distribution), and `decide` returns the target, with the `PolicyConfig` that
+  `policy_config` builds from the scenario's knobs (defaults: fleet/settings.py).
+
+The simulator then makes the target true (fleet/sim/core.py): a warm spare boots and serves
+after a drawn boot-to-ready time; a scale-down drains one replica (no new requests; it leaves
+when its in-flight requests have finished) and its GPUs go back to the warm pool. Wanting a
+spare when the warm pool has none is a warm-pool exhaustion, recorded with its time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.autoscaler.policy import DeploymentState, PolicyConfig, Signals, aggregate
+from fleet.autoscaler.policy import RouterLoad as RouterLoad
+from fleet.settings import Settings
+
+STATS_WINDOW_S = 60.0  # agents/engine/supervisor.py stats_window_s: the p95s' window
+_DEFAULTS = Settings.model_fields
+Z90 = 1.2815515655446004  # the standard normal's 90th percentile
+
+
+def _default(name: str) -> Any:
+    return _DEFAULTS[name].default
+
+
+@dataclass(frozen=True)
+class BootTime:
+    """Boot-to-ready seconds: normal(mean, sd), cut at 10 % of the mean; sd 0: fixed."""
+
+    mean_s: float = float(_default("boot_estimate_s"))
+    sd_s: float = 0.0
+
+    def draw(self, rng: random.Random) -> float:
+        if self.sd_s <= 0:
+            return self.mean_s
+        return max(0.1 * self.mean_s, rng.gauss(self.mean_s, self.sd_s))
+
+    @property
+    def p90_s(self) -> float:
+        return self.mean_s + Z90 * self.sd_s
+
+
+@dataclass(frozen=True)
+class AutoscaleSpec:
+    interval_s: float = float(_default("autoscale_interval_s"))
+    queue_per_gpu: float = float(_default("autoscale_queue_per_gpu"))
+    up_window_s: float = float(_default("autoscale_up_window_s"))
+    down_window_s: float = float(_default("autoscale_down_window_s"))
+    cooldown_down_s: float = float(_default("autoscale_cooldown_down_s"))
+    cooldown_up_s: float | None = None  # None: the up window (service.policy_config)
+    lookahead: bool = True
+    min_replicas: int = 1
+    max_replicas: int = 1000
+    warm_pool: tuple[tuple[str, int], ...] | None = None  # None: the scenario's shared pool
+    boot: BootTime = BootTime()
+    sla_p95_s: float = 30.0
+    sla_ttft_s: float = 2.0
+
+    def policy_config(self) -> PolicyConfig:
+        """As fleet/autoscaler/service.py `policy_config` builds it from the settings."""
+        return PolicyConfig(
+            queue_per_gpu_target=self.queue_per_gpu,
+            up_window_s=self.up_window_s,
+            down_window_s=self.down_window_s,
+            cooldown_down_s=self.cooldown_down_s,
+            cooldown_up_s=(self.up_window_s if self.cooldown_up_s is None else self.cooldown_up_s),
+            lookahead=self.lookahead,
+        )
+
+    @property
+    def keep_s(self) -> float:
+        """The history kept (fleet/control.py: the longer window + 10 min)."""
+        return max(self.up_window_s, self.down_window_s) + 600.0
+
+
+@dataclass(frozen=True)
+class ScalePoint:
+    """One tick of one deployment: the target after the decision and the replicas then."""
+
+    at: float
+    deployment: str
+    target: int
+    serving: int
+    booting: int
+    draining: int
+    rule: str
+
+
+@dataclass(frozen=True)
+class Exhaustion:
+    """A scale-up that wanted `short` more spares than the warm pool had."""
+
+    at: float
+    deployment: str
+    short: int
+
+
+def p95(window: deque[tuple[float, float, float]], now: float) -> tuple[float | None, ...]:
+    """(e2e p95, TTFT p95) over the (finish, e2e, ttft) entries of the last STATS_WINDOW_S;
+    older entries are dropped. None when nothing finished in the window."""
+    while window and window[0][0] < now - STATS_WINDOW_S:
+        window.popleft()
+    if not window:
+        return None, None
+    e2e = sorted(x[1] for x in window)
+    ttft = sorted(x[2] for x in window)
+    k = max(0, -(-95 * len(e2e) // 100) - 1)  # nearest rank, as core.percentile
+    return e2e[k], ttft[k]
+
+
+def observe(
+    servers: Sequence[Mapping[str, Any]],
+    at: float,
+    router: RouterLoad,
+    history: deque[Signals],
+    keep_s: float,
+) -> list[Signals]:
+    """`aggregate` the heartbeats (every signal None when nothing serves, as the service does)
+    and keep the window as `History.add` keeps it."""
+    signals = aggregate(servers, at, router) if servers else Signals(at, None, None, None, None)
+    history.append(signals)
+    while history and history[0].at < at - keep_s:
+        history.popleft()
+    return list(history)
+
+
+def state(
+    name: str,
+    spec: AutoscaleSpec,
+    *,
+    gpus_per_replica: int,
+    target: int,
+    serving: int,
+    booting: int,
+    last_up_at: float | None,
+    last_down_at: float | None,
+) -> DeploymentState:
+    """As the service's `_state`: one replica per server here."""
+    return DeploymentState(
+        name=name,
+        sla_p95_s=spec.sla_p95_s,
+        sla_ttft_s=spec.sla_ttft_s,
+        gpus_per_server=max(gpus_per_replica, 1),
+        min_servers=spec.min_replicas,
+        max_servers=spec.max_replicas,
+        target=target,
+        serving=serving,
+        on_the_way=booting,
+        boot_p90_s=spec.boot.p90_s,
+        last_up_at=last_up_at,
+        last_down_at=last_down_at,
+    )
