@@ -1796,8 +1796,9 @@ def simulate(
         ),
     ] = None,
 ) -> None:
-    """Simulate a scenario (a FIRST SLICE: routing and batching; the autoscaler, warm pool,
-    faults and charts are not simulated yet — docs/sim.md)."""
+    """Simulate a scenario: the production routing strategies and autoscaling policy over
+    engines timed by the cost model (not yet simulated: faults, placement, the calendar;
+    no charts yet — docs/sim.md)."""
     from fleet.sim import scenario as sim
 
     loaded = sim.load(scenario)
