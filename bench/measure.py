@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,3 +35,19 @@ def pct(values: Sequence[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def wait_until(
+    what: str, probe: Callable[[], Any], proc: subprocess.Popen[bytes], timeout: float
+) -> None:
+    """Poll `probe` until it is truthy; RuntimeError if `proc` exits or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
+        with suppress(OSError, ValueError):
+            if probe():
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not ready within {timeout:g} s")
+        time.sleep(0.05)

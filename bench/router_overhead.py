@@ -47,7 +47,12 @@ from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from measure import cpu_seconds, free_port, pct  # run as a script: bench/ is on sys.path
+from measure import (  # run as a script: bench/ is on sys.path
+    cpu_seconds,
+    free_port,
+    pct,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -69,20 +74,6 @@ ANSWER = json.dumps(
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-def wait_until(what: str, probe: object, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    assert callable(probe)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
-        with suppress(OSError, ValueError):
-            if probe():
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not ready within {timeout:g} s")
-        time.sleep(0.05)
 
 
 def answers(port: int) -> bool:

@@ -86,6 +86,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/routing.py` puts bench/, not the repo, on the path
     sys.path.insert(0, str(REPO))
 
-from measure import cpu_seconds, free_port, pct  # noqa: E402 - bench/ is on sys.path
+from measure import cpu_seconds, free_port, pct, wait_until  # noqa: E402 - bench/ is on sys.path
 
 from agents.engine import cost_model as cm  # noqa: E402
 from fleet.router.estimates import prior_capacity  # noqa: E402
@@ -120,17 +121,8 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def wait_until(what: str, probe: Any, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
-        with suppress(OSError, ValueError):
-            if probe():
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not ready within {timeout:g} s")
-        time.sleep(0.05)
+def healthy(url: str) -> bool:
+    return http_get(f"{url}/health")[0] == 200
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
@@ -239,12 +231,7 @@ def engines(gpus: Sequence[str], batch: int, speedup: float, logs: Path) -> Iter
             started.append(Engine(gpu, port, proc))
         for i, e in enumerate(started):
             try:
-                wait_until(
-                    f"engine {i} ({e.gpu})",
-                    lambda e=e: http_get(f"{e.url}/health")[0] == 200,
-                    e.proc,
-                    60,
-                )
+                wait_until(f"engine {i} ({e.gpu})", partial(healthy, e.url), e.proc, 60)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}\n{tail(logs / f'engine-{i}-{e.gpu}.log')}") from None
         yield started

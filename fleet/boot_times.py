@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from sqlmodel import Session, col, select
 
 from fleet.models import Server
+from fleet.stats import quantile
 
 
 def measured_boots(session: Session) -> list[tuple[str, float]]:
@@ -25,12 +26,9 @@ def measured_boots(session: Session) -> list[tuple[str, float]]:
 
 
 def p90(values: Iterable[float]) -> float | None:
-    """The 90th percentile as the value at index ⌊0.9·n⌋ of the sorted values (the largest of
-    ten or fewer: with few boots measured, the slowest one); None if empty."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    """The 90th percentile (fleet/stats.py: with ten boots or fewer, the slowest); None if
+    empty."""
+    return quantile(values, 0.9)
 
 
 def p90_by_model(samples: Iterable[tuple[str, float]]) -> dict[str, tuple[float, int]]:

@@ -13,6 +13,7 @@ from typing import Any
 from fleet.demo.load import Result
 from fleet.demo.plan import Timeline
 from fleet.demo.view import Sample, p95
+from fleet.stats import quantile
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def summarize(
     latencies = sorted(r.latency_s for r in answered if r.latency_s is not None)
 
     def pct(q: float) -> float | None:
-        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else None
+        return quantile(latencies, q)
 
     transitions = [e for e in events if e.get("kind") == "server.transition"]
     to = Counter(e.get("to_state") for e in transitions)

@@ -17,6 +17,7 @@ from rich.text import Text
 from fleet.demo.load import Replay, Result
 from fleet.demo.plan import DEPLOYMENT
 from fleet.demo.world import World
+from fleet.stats import quantile
 
 STATE_ORDER = (
     "warm",
@@ -57,8 +58,7 @@ class Sample:
 
 
 def p95(values: Sequence[float]) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else None
+    return quantile(values, 0.95)
 
 
 def observe(world: World, replay: Replay, phase: str) -> Sample:
