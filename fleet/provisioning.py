@@ -46,6 +46,7 @@ from fleet.bmc.base import BmcTarget
 from fleet.bmc.targets import target_for
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError, NotFoundError
+from fleet.escalation import escalate
 from fleet.models import Autopilot, Deployment, Event, Pool, PowerState, Rack, Server, Site, utcnow
 from fleet.power_control import ServerBusy, server_power_lock
 from fleet.racks import rack_views
@@ -558,39 +559,25 @@ class _Steps:
                 return
             if server.drain_reason != "remediation" or self.report.breaker_open:
                 return  # an operator's drain waits for the operator
-            if server.health_action == "hardware_inspection" or (
-                server.reboot_count >= self.settings.max_reboots_same_fault
-                and server.last_fault == server.reboot_fault
-            ):
-                self._move(
-                    session,
-                    server,
-                    S.QUARANTINED,
-                    f"quarantined: {server.last_fault} "
-                    + (
-                        "needs hardware inspection"
-                        if server.health_action == "hardware_inspection"
-                        else f"again after {server.reboot_count} reboots"
-                    ),
-                )
+            remedy = escalate(
+                server.health_action,
+                server.last_fault,
+                reboot_fault=server.reboot_fault,
+                reboot_count=server.reboot_count,
+                max_reboots=self.settings.max_reboots_same_fault,
+            )
+            if remedy.quarantine:
+                self._move(session, server, S.QUARANTINED, remedy.why)
                 server.deployment_id = None
                 session.add(server)
                 session.commit()
                 return
-            same = server.last_fault == server.reboot_fault
-            server.reboot_count = server.reboot_count + 1 if same else 1
-            server.reboot_fault = server.last_fault
+            server.reboot_count = remedy.reboot_count
+            server.reboot_fault = remedy.reboot_fault
             deployment = (
                 session.get(Deployment, server.deployment_id) if server.deployment_id else None
             )
-            _start_boot(
-                session,
-                server,
-                deployment,
-                "cycle",
-                ACTOR,
-                f"remediation: power cycle (reboot {server.reboot_count} for {server.last_fault})",
-            )
+            _start_boot(session, server, deployment, "cycle", ACTOR, remedy.why)
             self.report.moves.append(f"{name} -> booting (power cycle)")
             session.commit()
 
