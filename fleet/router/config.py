@@ -21,6 +21,9 @@ class RouterSettings(BaseSettings):
     table_file: Path | None = None
     listen_host: str = "127.0.0.1"
     listen_port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (tests)
+    # Router processes sharing the port (SO_REUSEPORT; the kernel spreads connections). Each
+    # keeps its own books, as several routers would: see docs/router.md.
+    workers: int = Field(default=1, ge=1, le=64)
     # The worker view: the routing table this often, every listed agent's /state this often.
     fleet_poll_s: float = Field(default=2.0, gt=0)
     agent_poll_s: float = Field(default=0.25, gt=0)

@@ -1,7 +1,10 @@
-"""The router's HTTP front: OpenAI-compatible, on aiohttp (server and forwarding client).
+"""The router's HTTP front: OpenAI-compatible, an aiohttp server with its own forwarding client.
 
-aiohttp on both sides: on this machine an httpx-based proxy measured ten times slower than an
-aiohttp one (PERFORMANCE.md), and the forwarding client is what bounds a proxy.
+The server is aiohttp's. Forwarding goes through `upstream.py`, a small keep-alive HTTP/1.1
+client on asyncio protocols and httptools: on this machine an httpx-based proxy measured ten
+times slower than an aiohttp one (PERFORMANCE.md), and aiohttp's ClientSession was still about
+half of the router's CPU per request (bench/router_overhead.py). aiohttp's ClientSession
+remains for the polls and the load reports.
 
 Per request: the body is read once and forwarded unchanged; `model` selects the deployment;
 `x-fleet-priority: interactive|batch` (default interactive) its class in the waiting room. The
@@ -32,10 +35,11 @@ from fleet.router.metrics import RouterMetrics
 from fleet.router.pool import DeploymentPool, NoReplica, QueueFull, Ticket
 from fleet.router.strategy import Request
 from fleet.router.tokens import max_output, prompt_tokens
+from fleet.router.upstream import Response as UpstreamResponse
+from fleet.router.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger(__name__)
 PRIORITY_HEADER = "x-fleet-priority"
-_HOP_HEADERS = {"content-type", "cache-control", "x-request-id"}
 
 
 def openai_error(
@@ -54,10 +58,13 @@ class Router:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
-        self.http: aiohttp.ClientSession | None = None
+        self.http: aiohttp.ClientSession | None = None  # polls and reports
+        self.upstream: UpstreamClient | None = None  # forwarding
         self.view: WorkerView | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._report_refused = False
+        self.polled = asyncio.Event()  # the first routing-table read is over (done or failed)
+        self._depth_shown: dict[str, int] = {}  # per deployment: the waiting the gauges show
         self.identity = f"{socket.gethostname()}:{os.getpid()}"
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -79,6 +86,9 @@ class Router:
         s = self.settings
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         self.http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.upstream = UpstreamClient(
+            connect_timeout_s=s.connect_timeout_s, total_timeout_s=s.request_timeout_s
+        )
         self.view = WorkerView(s, self.http)
         self.view.on_change = self._views_changed
         self._tasks = [
@@ -94,6 +104,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.http is not None:
             await self.http.close()
+        if self.upstream is not None:
+            await self.upstream.close()
 
     async def _every(self, interval: float, poll: Any, what: str) -> None:
         failing = False
@@ -110,6 +122,8 @@ class Router:
                 if not failing:
                     log.warning("router: %s poll failed: %s", what, exc)
                 failing = True
+            if what == "fleet":
+                self.polled.set()
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def _report(self) -> None:
@@ -139,6 +153,15 @@ class Router:
         for pool in self.view.pools.values():
             pool.pump()  # a replica became ready: admit waiters
             self.metrics.pool(pool)
+            self._depth_shown[pool.name] = len(pool.queue)
+
+    def _queue_depth(self, pool: DeploymentPool) -> None:
+        """Set the waiting gauges, unless they show 0 and nothing waits (most requests: the
+        gauges cost a few microseconds)."""
+        waiting = len(pool.queue)
+        if waiting or self._depth_shown.get(pool.name, 1):
+            self.metrics.queue_depth(pool)
+            self._depth_shown[pool.name] = waiting
 
     # -- small endpoints ------------------------------------------------------------------
 
@@ -237,7 +260,7 @@ class Router:
         status = "error"
         try:
             for attempt in range(s.attempts):
-                self.metrics.queue_depth(pool)
+                self._queue_depth(pool)
                 try:
                     ticket = await pool.acquire(
                         cost, priority, exclude=frozenset(tried), timeout=s.queue_timeout_s
@@ -255,7 +278,7 @@ class Router:
                         503, str(exc), "service_unavailable", retry_after=s.retry_after_s
                     )
                 finally:
-                    self.metrics.queue_depth(pool)
+                    self._queue_depth(pool)
                 self.metrics.inflight(pool, ticket.replica)
                 try:
                     response = await self._forward(request, raw, pool, ticket, stream, started)
@@ -285,21 +308,25 @@ class Router:
     ) -> web.StreamResponse:
         """One try on the ticket's replica. Raises _Retry when it failed before any byte
         reached the client; otherwise the response (complete, or a stream cut short)."""
-        assert self.http is not None
-        s = self.settings
-        url = ticket.replica.url + request.path_qs
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        timeout = aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s)
+        assert self.upstream is not None
+        content_type = request.headers.get("Content-Type", "application/json")
         response: web.StreamResponse | None = None
         output_tokens, ok, failed = 0, False, False
         try:
-            async with self.http.post(url, data=raw, headers=headers, timeout=timeout) as upstream:
+            target = request.raw_path  # as the client sent it; absolute-form is rebuilt
+            if not target.startswith("/"):
+                target = request.path_qs
+            upstream = await self.upstream.post(ticket.replica.url, target, raw, content_type)
+            try:
                 if upstream.status == 503:  # draining or overloaded: another replica may answer
                     failed = True
                     raise _Retry
-                kind = upstream.headers.get("Content-Type", "")
-                if stream and upstream.status == 200 and kind.startswith("text/event-stream"):
-                    response = web.StreamResponse(status=200, headers=_passed(upstream))
+                if (
+                    stream
+                    and upstream.status == 200
+                    and upstream.content_type.startswith("text/event-stream")
+                ):
+                    response = web.StreamResponse(status=200, headers=upstream.headers)
                     await response.prepare(request)  # bytes are out: no retry from here on
                     output_tokens = await self._relay(upstream, response, pool, ticket, started)
                     await response.write_eof()
@@ -310,14 +337,16 @@ class Router:
                 # last, and that is the request's duration, not its time to first token.
                 if upstream.status == 200:
                     output_tokens, ok = _completion_tokens(data), True
-                return web.Response(body=data, status=upstream.status, headers=_passed(upstream))
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            # Writing to a client that went away (aiohttp's reset error is a ClientError too:
-            # caught first, so that the replica is not blamed).
+                return web.Response(body=data, status=upstream.status, headers=upstream.headers)
+            finally:
+                upstream.release()  # a whole answer frees the connection, any other closes it
+        except ConnectionResetError:
+            # Writing to a client that went away (aiohttp's ClientConnectionResetError is one):
+            # not the replica's fault.
             if response is None:
                 raise
             return response
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             if response is None:
                 failed = True
                 log.info("router: %s failed before answering: %s", ticket.replica.url, exc)
@@ -332,7 +361,7 @@ class Router:
 
     async def _relay(
         self,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         response: web.StreamResponse,
         pool: DeploymentPool,
         ticket: Ticket,
@@ -344,7 +373,7 @@ class Router:
         usage: int | None = None
         pending = b""
         first = True
-        async for chunk in upstream.content.iter_any():
+        while chunk := await upstream.read_chunk():
             if first:
                 self.metrics.ttft(pool.name, time.monotonic() - started)
                 first = False
@@ -368,10 +397,6 @@ class Router:
             tokens += seen
             ticket.streamed(seen)
         return usage if usage is not None else tokens
-
-
-def _passed(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() in _HOP_HEADERS}
 
 
 def _usage_tokens(data: bytes) -> int | None:
