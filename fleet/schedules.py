@@ -35,17 +35,27 @@ def _entry(session: Session, entry_id: int) -> ScheduleEntry:
     return row
 
 
-def checked_spec(spec: ScheduleEntryCreate) -> Spec:
-    """The entry's schedule, or FleetError (400) saying which expression is wrong and how."""
+def checked_spec(spec: ScheduleEntryCreate, *, now: datetime | None = None) -> Spec:
+    """The entry's schedule, or FleetError (400) saying which expression is wrong and how.
+    It must fire again after `now` (default: the clock's now; the simulator gives its own)."""
     try:
         start = parse(spec.cron, spec.timezone)
         end = parse(spec.end_cron, spec.timezone) if spec.end_cron else None
     except CronError as exc:
         raise FleetError(str(exc)) from None
     checked = Spec(start, end, float(spec.duration_s) if spec.duration_s else None)
-    if start.next_after(utcnow()) is None:
+    if start.next_after(now or utcnow()) is None:
         raise FleetError(f"cron {spec.cron!r} never fires again")
     return checked
+
+
+def check_fits(spec: ScheduleEntryCreate, max_replicas: int) -> None:
+    """FleetError (400) when the entry's minimum is above its deployment's maximum."""
+    if spec.min_replicas > max_replicas:
+        raise FleetError(
+            f"min_replicas {spec.min_replicas} is above deployment {spec.deployment!r}'s "
+            f"max_replicas {max_replicas}: raise its max_replicas first"
+        )
 
 
 def public(
@@ -109,11 +119,7 @@ def create_entry(
 ) -> dict[str, Any]:
     deployment = _deployment(session, spec.deployment)
     checked_spec(spec)
-    if spec.min_replicas > deployment.max_replicas:
-        raise FleetError(
-            f"min_replicas {spec.min_replicas} is above deployment {deployment.name!r}'s "
-            f"max_replicas {deployment.max_replicas}: raise its max_replicas first"
-        )
+    check_fits(spec, deployment.max_replicas)
     assert deployment.id is not None
     row = ScheduleEntry(
         deployment_id=deployment.id,

@@ -17,6 +17,7 @@ database.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
@@ -147,8 +148,28 @@ def lead_time(models: list[str], measured: dict[str, tuple[float, int]], default
     return Lead(worst[0], worst[1])
 
 
+def boot_models(allowed: Sequence[str], warm_models: Iterable[str]) -> list[str]:
+    """The GPU models of the spares a deployment could boot now: those of the warm spares it
+    allows (every model when `allowed` is empty), or its allowed models when none is warm."""
+    models = [m for m in warm_models if not allowed or m in allowed]
+    return sorted(set(models or allowed))
+
+
 def floor_servers(min_replicas: int, replicas_per_server: int) -> int:
     return math.ceil(min_replicas / max(1, replicas_per_server)) if min_replicas > 0 else 0
+
+
+def open_until(window: Window, active_until: datetime | None, now: datetime) -> datetime:
+    """An entry's open-window end once `window` fires at `now`: an earlier window of it that
+    is still open keeps its later end."""
+    still_open = active_until if active_until is not None and active_until > now else None
+    return max(window.end, still_open) if still_open else window.end
+
+
+def raised_target(target: int, floor: int, highest: int, *, pinned: bool) -> int:
+    """The target after a firing: raised to the floor at once, never lowered, never above
+    `highest` (the deployment's max servers); an operator's pin keeps it as it is."""
+    return target if pinned else max(target, min(floor, highest))
 
 
 def minutes(seconds: float) -> str:

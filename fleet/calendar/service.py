@@ -32,7 +32,18 @@ from sqlmodel import Session, col, select
 from fleet.autoscaler.service import gpus_per_server, replicas_per_server, servers_for_replicas
 from fleet.boot_times import measured_boots, p90_by_model
 from fleet.calendar.cron import CronError, parse, zone
-from fleet.calendar.plan import Due, Lead, Spec, due, floor_servers, lead_time, minutes
+from fleet.calendar.plan import (
+    Due,
+    Lead,
+    Spec,
+    boot_models,
+    due,
+    floor_servers,
+    lead_time,
+    minutes,
+    open_until,
+    raised_target,
+)
 from fleet.events import deployment_event
 from fleet.models import Deployment, Event, ScalingDecision, ScheduleEntry, Server, utcnow
 from fleet.provisioning import get_autopilot
@@ -60,9 +71,7 @@ def spec_of(entry: ScheduleEntry) -> Spec:
 def candidate_models(deployment: Deployment, warm_models: list[str]) -> list[str]:
     """The GPU models of the spares the deployment could boot now (its allowed models when no
     spare is warm)."""
-    allowed = deployment.gpu_models
-    models = [m for m in warm_models if not allowed or m in allowed]
-    return sorted(set(models or allowed))
+    return boot_models(deployment.gpu_models, warm_models)
 
 
 def lead_for(
@@ -131,11 +140,10 @@ def _claim(session: Session, entry: ScheduleEntry, found: Due, at: datetime) -> 
     window = found.window
     values: dict[str, Any] = {"fired_for": window.start, "fired_at": None}
     if found.action == "fire":
-        still_open = entry.active_until if entry.active_until and entry.active_until > at else None
         values = {
             "fired_for": window.start,
             "fired_at": at,
-            "active_until": max(window.end, still_open) if still_open else window.end,
+            "active_until": open_until(window, entry.active_until, at),
         }
     result = session.connection().execute(
         update(ScheduleEntry)
@@ -231,9 +239,9 @@ def _apply(
     on_the_way = sum(s.state in (S.BOOTING, S.LOADING) for s in servers)
     highest = servers_for_replicas(deployment.max_replicas, per_server)
     target_before = deployment.target_servers
-    target_after = target_before
-    if deployment.pinned_replicas is None:
-        target_after = max(target_before, min(floor, highest))
+    target_after = raised_target(
+        target_before, floor, highest, pinned=deployment.pinned_replicas is not None
+    )
     for firing in firings:
         reason = _reason(
             firing,
