@@ -359,6 +359,10 @@ def router_run(
         Path | None,
         typer.Option("--table", help="A routing table file instead of the fleet service."),
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(help="Router processes sharing the port [FLEET_ROUTER_WORKERS]."),
+    ] = None,
 ) -> None:
     """Run the router (token from FLEET_ROUTER_TOKEN; every setting as FLEET_ROUTER_*)."""
     from fleet.router.config import RouterSettings
@@ -370,6 +374,7 @@ def router_run(
         "listen_port": port,
         "strategy": strategy,
         "table_file": table,
+        "workers": workers,
     }
     options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     settings = RouterSettings(**options)
@@ -378,7 +383,8 @@ def router_run(
     sock = bind(settings)
     typer.echo(
         f"router on http://{settings.listen_host}:{sock.getsockname()[1]}, "
-        f"strategy {settings.strategy}",
+        f"strategy {settings.strategy}"
+        + (f", {settings.workers} workers" if settings.workers > 1 else ""),
         err=True,
     )
     run(settings, sock)
@@ -1795,19 +1801,47 @@ def simulate(
             "(continuous|static) or strategy/batching.",
         ),
     ] = None,
+    charts: Annotated[
+        Path | None,
+        typer.Option(
+            "--charts",
+            help="Write a PNG per run to this directory (made if missing), "
+            "DIR/<scenario>-<variant>.png: demand vs capacity, p95 vs SLA, spares in use.",
+        ),
+    ] = None,
 ) -> None:
-    """Simulate a scenario: the production routing strategies and autoscaling policy over
-    engines timed by the cost model (not yet simulated: faults, placement, the calendar;
-    no charts yet — docs/sim.md)."""
+    """Simulate a scenario: the production routing strategies, autoscaling policy, calendar,
+    placement, fault policy and escalation rule over engines timed by the cost model
+    (docs/sim.md)."""
+    from fleet.sim import charts as sim_charts
     from fleet.sim import scenario as sim
+    from fleet.sim.core import RunResult
 
     loaded = sim.load(scenario)
+    out = None if charts is None else sim_charts.chart_dir(charts)  # before the runs
+    written: list[Path] = []
+
+    def chart(variant: str, result: RunResult) -> None:
+        if out is not None:
+            path = out / sim_charts.file_name(loaded.name, variant)
+            title = f"{loaded.name} ({variant})"
+            written.append(
+                sim_charts.render(result, path, title=title, shared_warm_pool=loaded.shared_pool())
+            )
+
     if compare:
-        rows = sim.compare(loaded, [v.strip() for v in compare.split(",") if v.strip()], seed)
+        variants = [v.strip() for v in compare.split(",") if v.strip()]
+        rows = sim.compare(loaded, variants, seed, on_result=chart)
     else:
-        _, summary = sim.run(loaded, seed)
+        result, summary = sim.run(loaded, seed)
         rows = [(loaded.name, summary)]
+        chart(sim_charts.variant_name(result.deployments), result)
     typer.echo(sim.table(rows))
+    if not compare:
+        for line in sim.report(result):
+            typer.echo(line)
+    for path in written:
+        typer.echo(f"chart: {path}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ class OutputEstimate:
 
     def observe(self, output_tokens: int) -> None:
         self.samples += 1
-        weight = 1.0 / min(self.samples, self.horizon)
+        n, horizon = self.samples, self.horizon
+        weight = 1.0 / (horizon if horizon < n else n)  # min(samples, horizon)
         self.value += (output_tokens - self.value) * weight
 
 
@@ -53,7 +54,9 @@ class Throughput:
         if self._since is None:
             self._since = self._last = now
             return
-        span = max(0.0, now - self._last)
+        span = now - self._last
+        if not span > 0.0:  # max(0.0, ·)
+            span = 0.0
         self._area += span * self._inflight
         if self._inflight:
             self._busy += span
@@ -65,7 +68,7 @@ class Throughput:
 
     def finished(self, now: float, work: float) -> None:
         self._advance(now)
-        self._inflight = max(0, self._inflight - 1)
+        self._inflight = self._inflight - 1 if self._inflight > 1 else 0  # max(0, · - 1)
         self._work += work
         assert self._since is not None
         if now - self._since >= self.window_s:

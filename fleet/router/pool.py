@@ -74,7 +74,10 @@ class DeploymentPool:
     # -- choosing -------------------------------------------------------------------------
 
     def _choose(self, request: Request, exclude: frozenset[str]) -> Replica | None:
-        candidates = [r for url, r in self.replicas.items() if url not in exclude]
+        if exclude:
+            candidates = [r for url, r in self.replicas.items() if url not in exclude]
+        else:
+            candidates = list(self.replicas.values())
         return self.strategy.choose(candidates, request, self.clock())
 
     def _book(self, replica: Replica, request: Request) -> Ticket:
@@ -149,10 +152,15 @@ class DeploymentPool:
         ticket.released = True
         replica, request = ticket.replica, ticket.request
         now = self.clock()
-        replica.inflight = max(0, replica.inflight - 1)
-        replica.prompt_inflight = max(0, replica.prompt_inflight - request.prompt_tokens)
-        left = max(0.0, request.expected_output - ticket.output_seen)
-        replica.output_left = max(0.0, replica.output_left - left)
+        # max(0, ·) each, spelled out (this runs for every request)
+        inflight = replica.inflight - 1
+        replica.inflight = inflight if inflight > 0 else 0
+        prompt = replica.prompt_inflight - request.prompt_tokens
+        replica.prompt_inflight = prompt if prompt > 0 else 0
+        left = request.expected_output - ticket.output_seen
+        left = left if left > 0.0 else 0.0
+        output_left = replica.output_left - left
+        replica.output_left = output_left if output_left > 0.0 else 0.0
         meter = self.throughput.get(replica.url)
         if meter is not None:
             work = request.prompt_tokens * self.prefill_weight + output_tokens if ok else 0.0

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 PREFILL_WEIGHT = 0.15
+_INF = float("inf")
 STRATEGIES = (
     "round_robin",
     "least_pending",
@@ -67,7 +68,7 @@ class Replica:
     stream_rate: float = float("inf")  # one request's top speed alone, work units per second
     ejected_until: float = 0.0  # monotonic seconds; after repeated failures
 
-    def available(self, now: float) -> bool:
+    def available(self, now: float) -> bool:  # (inlined in `_open`)
         return self.ready and self.inflight < self.limit and now >= self.ejected_until
 
     def work(self, prefill_weight: float = PREFILL_WEIGHT) -> float:
@@ -93,7 +94,8 @@ class RoutingStrategy(Protocol):
 
 
 def _open(replicas: Sequence[Replica], now: float) -> list[Replica]:
-    return [r for r in replicas if r.available(now)]
+    """The available ones (`Replica.available`, inlined: this runs for every choice)."""
+    return [r for r in replicas if r.ready and r.inflight < r.limit and now >= r.ejected_until]
 
 
 @dataclass
@@ -151,10 +153,47 @@ def completion_time(
     return max(queued, cost / max(replica.stream_rate, 1e-9))
 
 
+@dataclass
+class CompletionTime(_Scored):
+    """`estimated_completion_time`: `_Scored` with the score (completion_time, inflight), its
+    arithmetic inlined in `choose` (the same choice, without a function call per candidate;
+    the simulator makes one choice per request). The lowest completion time wins, and it does
+    not fall as `output_left` grows (fleet/sim/core.py relies on both)."""
+
+    prefill_weight: float = PREFILL_WEIGHT
+
+    def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
+        candidates = _open(replicas, now)
+        if not candidates:
+            return None
+        offset = next(self._turn) % len(candidates)
+        rotated = candidates[offset:] + candidates[:offset]
+        weight = self.prefill_weight
+        cost = request.cost(weight)
+        best = None
+        best_t = best_n = 0.0
+        inf = _INF
+        for r in rotated:  # as completion_time(r, request, weight), float(r.inflight)
+            capacity = r.capacity
+            queued = (r.prompt_inflight * weight + r.output_left + cost) / (
+                1e-9 if capacity < 1e-9 else capacity  # max(capacity, 1e-9)
+            )
+            rate = r.stream_rate
+            if rate == inf:  # no floor: cost / inf is 0
+                t = 0.0 if queued < 0.0 else queued
+            else:
+                alone = cost / (1e-9 if rate < 1e-9 else rate)
+                t = alone if alone > queued else queued  # max(queued, alone)
+            if best is None or t < best_t or (t == best_t and r.inflight < best_n):
+                best, best_t, best_n = r, t, float(r.inflight)  # min: the first lowest
+        return best
+
+
 def estimated_completion_time(prefill_weight: float = PREFILL_WEIGHT) -> _Scored:
-    return _Scored(
+    return CompletionTime(
         "estimated_completion_time",
         lambda r, q: (completion_time(r, q, prefill_weight), float(r.inflight)),
+        prefill_weight=prefill_weight,
     )
 
 

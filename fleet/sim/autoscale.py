@@ -31,6 +31,7 @@ from typing import Any
 from fleet.autoscaler.policy import DeploymentState, PolicyConfig, Signals, aggregate
 from fleet.autoscaler.policy import RouterLoad as RouterLoad
 from fleet.settings import Settings
+from fleet.sim.calendar import Entry
 
 STATS_WINDOW_S = 60.0  # agents/engine/supervisor.py stats_window_s: the p95s' window
 _DEFAULTS = Settings.model_fields
@@ -71,8 +72,27 @@ class AutoscaleSpec:
     max_replicas: int = 1000
     warm_pool: tuple[tuple[str, int], ...] | None = None  # None: the scenario's shared pool
     boot: BootTime = BootTime()
+    # Loading the model after the boot: None: inside `boot` (the default). With `load`, a spare
+    # without the model on its disk loads in `load`, one with it (racks' `cached`) in
+    # `load_cached` (HARDWARE.md: ~20 s for 145 GB from a local NVMe stripe).
+    load: BootTime | None = None
+    load_cached: BootTime = BootTime(20.0)
     sla_p95_s: float = 30.0
     sla_ttft_s: float = 2.0
+    calendar: tuple[Entry, ...] = ()  # scheduled floors (fleet/sim/calendar.py)
+
+    def ready_s(self, rng: random.Random, *, cached: bool) -> float:
+        """A boot-to-ready draw: the boot, then the load (when modelled apart)."""
+        boot = self.boot.draw(rng)
+        if self.load is None:
+            return boot
+        return boot + (self.load_cached if cached else self.load).draw(rng)
+
+    @property
+    def ready_p90_s(self) -> float:
+        """What the fleet would measure as the p90 boot-to-ready (boot + uncached load; the
+        sum of the p90s, an upper bound of the p90 of the sum)."""
+        return self.boot.p90_s + (self.load.p90_s if self.load is not None else 0.0)
 
     def policy_config(self) -> PolicyConfig:
         """As fleet/autoscaler/service.py `policy_config` builds it from the settings."""
@@ -102,6 +122,8 @@ class ScalePoint:
     booting: int
     draining: int
     rule: str
+    warm_left: int = 0  # spares left in the warm pool it draws from, after the decision
+    floor: int = 0  # the calendar's floor then (fleet/sim/calendar.py)
 
 
 @dataclass(frozen=True)
@@ -111,6 +133,7 @@ class Exhaustion:
     at: float
     deployment: str
     short: int
+    reasons: tuple[str, ...] = ()  # placement's (fleet/placement.py), with racks
 
 
 def p95(window: deque[tuple[float, float, float]], now: float) -> tuple[float | None, ...]:
@@ -152,8 +175,9 @@ def state(
     booting: int,
     last_up_at: float | None,
     last_down_at: float | None,
+    floor: int = 0,
 ) -> DeploymentState:
-    """As the service's `_state`: one replica per server here."""
+    """As the service's `_state`: one replica per server here; `floor` is the calendar's."""
     return DeploymentState(
         name=name,
         sla_p95_s=spec.sla_p95_s,
@@ -161,10 +185,11 @@ def state(
         gpus_per_server=max(gpus_per_replica, 1),
         min_servers=spec.min_replicas,
         max_servers=spec.max_replicas,
+        floor=floor,
         target=target,
         serving=serving,
         on_the_way=booting,
-        boot_p90_s=spec.boot.p90_s,
+        boot_p90_s=spec.ready_p90_s,
         last_up_at=last_up_at,
         last_down_at=last_down_at,
     )

@@ -13,8 +13,10 @@ requests are admitted as replicas free up, first come first served.
 Streaming: the router lowers a replica's expected output as tokens stream (Ticket.streamed).
 Rather than one event per token, a replica's `output_left` is recomputed exactly from its
 engine (tokens written by the iterations ended by now) just before a decision, for the
-strategies that read it. `kv_use`, `queued` and `running` are taken fresh from the engine at
-that moment (the real router sees them polled, a fraction of a second old).
+strategies that read it — for the engines that changed or are still streaming, and not for a
+replica that provably cannot win the decision (`_open_to`: the same choice as reading them
+all). `kv_use`, `queued` and `running` are taken fresh from the engine at that moment (the
+real router sees them polled, a fraction of a second old).
 
 Events: the engines' block ends (fleet/sim/engine.py) in a heap, merged with the arrival list
 and the timers (autoscaler ticks, boots finishing); at equal times an engine's block end comes
@@ -23,7 +25,13 @@ first, then a timer, then an arrival.
 Autoscaling (a deployment with `autoscale`; fleet/sim/autoscale.py): each tick asks the
 production policy for a target and makes it true: warm spares boot and join the pool when
 ready; a scale-down calls off boots first, then drains a replica (not ready in the pool: no new
-requests) that leaves, back to the warm pool, when its last request finishes.
+requests) that leaves, back to the warm pool, when its last request finishes. The calendar
+(fleet/sim/calendar.py) raises floors on its own ticks; with racks (fleet/sim/racks.py) the
+spares to boot and the replicas to release are fleet/placement.py's choice.
+
+Faults (fleet/sim/faults.py): Xid timers per serving engine; the agent's fault policy judges
+them; an engine restart, or a self-drain and then `fleet.escalation.escalate`'s power cycle or
+quarantine.
 """
 
 from __future__ import annotations
@@ -34,19 +42,38 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from agents.engine import cost_model
 from agents.engine.cost_model import EngineShape
+from agents.fault_policy import RepairAction, Verdict
+from agents.telemetry.base import Snapshot
+from fleet import placement
 from fleet.autoscaler.policy import Signals, decide
+from fleet.escalation import escalate
 from fleet.router.admission import AdmissionQueue
+from fleet.router.config import RouterSettings
 from fleet.router.estimates import Throughput, prior_capacity
 from fleet.router.pool import DeploymentPool, Ticket
-from fleet.router.strategy import Replica, Request, make
+from fleet.router.strategy import (
+    CompletionTime,
+    ModelAffinity,
+    Replica,
+    Request,
+    make,
+)
 from fleet.sim import autoscale as auto
+from fleet.sim import faults as flt
+from fleet.sim import racks as sim_racks
 from fleet.sim.autoscale import AutoscaleSpec, Exhaustion, RouterLoad, ScalePoint
-from fleet.sim.engine import Batching, Engine, SimRequest
+from fleet.sim.calendar import DEFAULT_START, TICK_S, Calendar, Fired
+from fleet.sim.engine import Batching, Engine, SimRequest, outputs_left
+from fleet.sim.faults import FaultCounts, FaultSpec
+from fleet.sim.racks import RackSpec
 
 READS_OUTPUT_LEFT = frozenset({"estimated_completion_time", "model_affinity"})
+_NOTHING: frozenset[str] = frozenset()  # no replica excluded
+ROUTER_ATTEMPTS = int(RouterSettings.model_fields["attempts"].default)
 
 
 @dataclass(frozen=True)
@@ -64,6 +91,7 @@ class DeploymentSpec:
     latency_sla_s: float | None = None
     ttft_sla_s: float | None = None
     autoscale: AutoscaleSpec | None = None  # None: a fixed fleet
+    faults: FaultSpec | None = None  # None: no GPU faults (fleet/sim/faults.py)
 
     def shape(self, gpu: str) -> EngineShape:
         return EngineShape(
@@ -98,6 +126,26 @@ class _Dep:
     target: int = 0
     last_up_at: float | None = None
     last_down_at: float | None = None
+    # `_refresh`'s books, by replica URL: the engines changed since the last decision, and the
+    # ones with requests in generation (their output_left moves with the clock)
+    dirty: dict[str, Engine] = field(default_factory=dict)
+    decoding: dict[str, tuple[Engine, Replica]] = field(default_factory=dict)
+    idle: dict[str, Replica] = field(default_factory=dict)  # nothing booked on its engine
+    # Faults (fleet/sim/faults.py)
+    faulted: dict[str, tuple[str, str]] = field(
+        default_factory=dict
+    )  # self-draining: action, fault
+    restarting: dict[str, Engine] = field(default_factory=dict)  # engine restarts in progress
+    xid_history: dict[str, list[Snapshot]] = field(default_factory=dict)
+    reboot_history: dict[str, tuple[str | None, int]] = field(default_factory=dict)
+
+    def serving(self) -> int:
+        """Replicas that count as serving: a self-draining one does not (its server leaves
+        SERVING), one whose engine restarts does (its server stays SERVING)."""
+        return len(self.engines) - len(self.draining) - len(self.faulted) + len(self.restarting)
+
+    calendar: Calendar | None = None  # its scheduled floors (fleet/sim/calendar.py)
+    floor: int = 0  # the calendar's floor now
 
 
 @dataclass
@@ -112,6 +160,9 @@ class RunResult:
     booting_s: float = 0.0  # GPU-seconds spent booting
     timeline: list[ScalePoint] = field(default_factory=list)
     exhaustions: list[Exhaustion] = field(default_factory=list)
+    faults: FaultCounts | None = None  # None: no deployment has faults
+    fired: list[Fired] = field(default_factory=list)  # calendar windows fired
+    engine_deployments: list[int] = field(default_factory=list)  # per engine: its deployment
 
 
 class Simulation:
@@ -122,6 +173,9 @@ class Simulation:
         per_iteration: bool = False,
         warm_pool: Sequence[tuple[str, int]] = (),
         seed: int = 0,
+        start: datetime = DEFAULT_START,  # the wall-clock time of simulated second 0
+        calendar_interval_s: float = TICK_S,
+        racks: Sequence[RackSpec] = (),
     ):
         self.now = 0.0
         self.per_iteration = per_iteration
@@ -134,11 +188,28 @@ class Simulation:
         self._tickets: dict[int, Ticket] = {}
         self._rng = random.Random(seed * 7919 + 17)
         self.shared_warm: dict[str, int] = {g: n for g, n in warm_pool if n > 0}
+        # Placement (fleet/sim/racks.py): the shared warm pool as servers in racks.
+        if racks and warm_pool:
+            raise ValueError("give the shared warm pool as racks or as counts, not both")
+        self.racks = tuple(racks)
+        gpus = max((d.tp_size for d in deployments), default=1)
+        self._servers = {x.name: x for x in sim_racks.spares(self.racks, gpus)}
+        self._free = dict(self._servers)  # warm, by name
+        self._placed: dict[str, str] = {}  # engine URL → its server's name
+        for x in self._servers.values():
+            self.shared_warm[x.gpu_model] = self.shared_warm.get(x.gpu_model, 0) + 1
         self.timeline: list[ScalePoint] = []
         self.exhaustions: list[Exhaustion] = []
         # (time, seq, kind, deployment index, URL): autoscaler ticks and boots finishing
         self._timers: list[tuple[float, int, str, int, str]] = []
         self._ready_at: dict[str, float] = {}
+        self._boot_at: dict[str, float] = {}  # URL → when its current boot began
+        self._seq = 0
+        # Faults draw from their own stream: turning them on leaves the boot draws as they were.
+        self._fault_rng = random.Random(seed * 7919 + 29)
+        self._life: dict[str, int] = {}  # URL → how many times it joined (stale fault timers)
+        self.fault_counts = FaultCounts()
+        self.fired: list[Fired] = []
         for index, spec in enumerate(deployments):
             pool = DeploymentPool(
                 name=spec.name,
@@ -160,8 +231,9 @@ class Simulation:
                     else {g: n for g, n in a.warm_pool if n > 0}
                 )
                 dep.target = spec.engines
+                if a.calendar:
+                    dep.calendar = Calendar(spec.name, a.calendar, start, calendar_interval_s)
         self._heap: list[tuple[float, int, Engine]] = []
-        self._seq = 0
 
     # --- engines joining and leaving -----------------------------------------------------------
 
@@ -197,6 +269,12 @@ class Simulation:
             capacity=prior,
         )
         dep.pool.throughput[url] = Throughput(prior)
+        self._track(dep, url, engine)
+        if spec.faults is not None:
+            life = self._life[url] = self._life.get(url, 0) + 1
+            wait = flt.next_fault_in(spec.faults, engine.shape.gpus, self._fault_rng)
+            if wait < math.inf:
+                self._timer(self.now + wait, "xid", dep.index, f"{url}#{life}")
 
     def _leave(self, dep: _Dep, url: str) -> None:
         """A drained engine (nothing in flight) leaves; its GPUs go back to the warm pool."""
@@ -208,38 +286,129 @@ class Simulation:
         _, _, k = self._engine_index[id(engine)]
         self.off_at[k] = self.now
         gpu = self.engine_list[k][0]
-        dep.warm[gpu] = dep.warm.get(gpu, 0) + 1
+        self._to_warm(dep, url, gpu)
 
     # --- routing -----------------------------------------------------------------------------
 
-    def _refresh(self, dep: _Dep) -> None:
+    def _track(self, dep: _Dep, url: str, engine: Engine) -> None:
+        """A replica joined the pool: its engine's fields are read at the next decision."""
+        engine.url = url
+        dep.dirty[url] = engine
+
+    def _refresh(self, dep: _Dep, request: Request) -> None:
+        """The engine-reported fields of the replicas, as of now, before the decision for
+        `request`. `queued`, `running` and `kv_use` change only when the engine does (an add or
+        a block end marks it in `dep.dirty`). `output_left` also falls with the clock while a
+        request in generation is short of its expected length: those engines, and the ones
+        changed, are in `dep.decoding` and read again for every decision (an engine whose
+        figure stops moving leaves it), but for the replicas `_open_to` finds cannot be
+        chosen. The choice is exactly the one with every engine read afresh."""
+        replicas = dep.pool.replicas
+        decoding = dep.decoding
+        dirty = dep.dirty
         now = self.now
-        for url, replica in dep.pool.replicas.items():
-            engine = dep.engines[url]
-            replica.queued = len(engine.waiting)
-            replica.running = len(engine.context) + len(engine.decoding)
-            replica.kv_use = engine.used_fraction()
-            if dep.reads_output_left:
-                replica.output_left = engine.output_left(now)
+        todo: list[tuple[str, tuple[Engine, Replica]]] = []
+        if dirty:
+            reads = dep.reads_output_left
+            idle = dep.idle
+            for url, engine in dirty.items():
+                replica = replicas.get(url)
+                if replica is None:  # out of the pool
+                    decoding.pop(url, None)
+                    idle.pop(url, None)
+                    continue
+                replica.queued = len(engine.waiting)
+                replica.running = len(engine.context) + len(engine.decoding)
+                replica.kv_use = engine.used_fraction()
+                if reads:
+                    pair = decoding[url] = (engine, replica)
+                    if engine.waiting or engine.context or engine.decoding:
+                        idle.pop(url, None)
+                    else:  # read now: it may set the bar (and it settles at once)
+                        idle[url] = replica
+                        todo.append((url, pair))
+            if todo:
+                for url in outputs_left(todo, now) or ():
+                    del decoding[url]
+                todo.clear()
+        if decoding:
+            self._open_to(dep, request, decoding, todo)
+            if todo:
+                for url in outputs_left(todo, now) or ():
+                    del decoding[url]
+        dirty.clear()
+
+    def _open_to(
+        self,
+        dep: _Dep,
+        request: Request,
+        decoding: dict[str, tuple[Engine, Replica]],
+        todo: list[tuple[str, tuple[Engine, Replica]]],
+    ) -> None:
+        """Adds to `todo` the engines of `decoding` whose replica the strategy might choose for
+        `request`; the others keep their last `output_left`. With `estimated_completion_time`
+        (or `model_affinity` over it: every replica here has the model), a replica that is not
+        available is not scored, and one whose completion time with output_left 0 already
+        exceeds an available idle replica's (whose figure is fresh) cannot be chosen, with its
+        last figure or with the true one: both are ≥ 0 and the score does not fall as
+        output_left grows. So the choice is the one with every figure fresh. Other
+        strategies: all of them."""
+        strategy = dep.pool.strategy
+        if isinstance(strategy, ModelAffinity):
+            strategy = strategy.inner
+        if not isinstance(strategy, CompletionTime):
+            todo += decoding.items()
+            return
+        now = self.now
+        weight = strategy.prefill_weight
+        cost = request.prompt_tokens * weight + request.expected_output  # request.cost(weight)
+        replicas = dep.pool.replicas
+        bar = math.inf  # the completion time of an available idle replica (the first)
+        for url, j in dep.idle.items():
+            if (
+                j.ready
+                and j.inflight < j.limit
+                and now >= j.ejected_until
+                and replicas.get(url) is j
+            ):
+                # completion_time(j, request, weight), as CompletionTime.choose computes it
+                capacity, rate = j.capacity, j.stream_rate
+                queued = (j.prompt_inflight * weight + j.output_left + cost) / (
+                    1e-9 if capacity < 1e-9 else capacity
+                )
+                alone = cost / (1e-9 if rate < 1e-9 else rate)
+                bar = alone if alone > queued else queued
+                break
+        for url, pair in decoding.items():
+            m = pair[1]
+            # a floor under its completion time: the queue part with output_left 0 (no more
+            # than with any figure ≥ 0)
+            capacity = m.capacity
+            if (m.prompt_inflight * weight + cost) / (1e-9 if capacity < 1e-9 else capacity) > bar:
+                continue  # beaten by that idle one whatever it has left
+            if m.ready and m.inflight < m.limit and now >= m.ejected_until:  # else not scored
+                todo.append((url, pair))
 
     def _try_route(self, dep: _Dep, r: SimRequest) -> bool:
         pool = dep.pool
-        request = Request(
-            model=dep.spec.model,
-            prompt_tokens=r.prompt,
-            expected_output=pool.estimate.expected(r.max_tokens),
-        )
-        replica = pool._choose(request, frozenset())
+        now = self.now
+        request = Request(dep.spec.model, r.prompt, pool.estimate.expected(r.max_tokens))
+        self._refresh(dep, request)
+        replica = pool._choose(request, _NOTHING)
         if replica is None:
             return False
-        ticket = pool._book(replica, request)
-        self._tickets[r.rid] = ticket
-        r.routed = self.now
+        self._tickets[r.rid] = pool._book(replica, request)
+        r.routed = now
         r.expected = request.expected_output
-        engine = dep.engines[replica.url]
+        url = replica.url
+        engine = dep.engines[url]
         r.engine = id(engine)
-        if engine.add(r, self.now):
-            self._schedule(engine)
+        dep.dirty[url] = engine
+        if engine.add(r, now):
+            b = engine.block
+            if b is not None:  # as _schedule
+                self._seq += 1
+                heapq.heappush(self._heap, (b.end, self._seq, engine))
         return True
 
     def _schedule(self, engine: Engine) -> None:
@@ -250,7 +419,6 @@ class Simulation:
 
     def _pump(self, dep: _Dep) -> None:
         while dep.waiting:
-            self._refresh(dep)
             if not self._try_route(dep, dep.waiting[0]):
                 return
             dep.waiting.popleft()
@@ -269,7 +437,7 @@ class Simulation:
         now = self.now
         servers = []
         for url, engine in dep.engines.items():
-            if url in dep.draining:
+            if url in dep.draining or url in dep.faulted:
                 continue  # not SERVING: a draining server sends no counted heartbeat
             e2e, ttft = auto.p95(dep.stats.setdefault(url, deque()), now)
             replica = {
@@ -284,7 +452,7 @@ class Simulation:
         r_e2e, r_ttft = auto.p95(dep.router_stats, now)
         load = RouterLoad(waiting=len(dep.waiting), p95_s=r_e2e, ttft_p95_s=r_ttft)
         window = auto.observe(servers, now, load, dep.history, a.keep_s)
-        serving = len(dep.engines) - len(dep.draining)
+        serving = dep.serving()
         state = auto.state(
             dep.spec.name,
             a,
@@ -294,6 +462,7 @@ class Simulation:
             booting=len(dep.booting),
             last_up_at=dep.last_up_at,
             last_down_at=dep.last_down_at,
+            floor=dep.floor,
         )
         decision = decide(state, window, now, a.policy_config())
         if decision.target != dep.target and decision.rule not in ("min", "floor", "pinned"):
@@ -308,10 +477,12 @@ class Simulation:
                 now,
                 dep.spec.name,
                 dep.target,
-                len(dep.engines) - len(dep.draining),
+                dep.serving(),
                 len(dep.booting),
                 len(dep.draining),
                 decision.rule,
+                sum(dep.warm.values()),
+                floor=dep.floor,
             )
         )
 
@@ -319,56 +490,266 @@ class Simulation:
         a = dep.spec.autoscale
         assert a is not None
         now = self.now
-        have = len(dep.engines) - len(dep.draining) + len(dep.booting)
+        have = dep.serving() + len(dep.booting)
         if dep.target > have:
             short = 0
-            for _ in range(dep.target - have):
-                gpu = next((g for g, n in dep.warm.items() if n > 0 and self._fits(dep, g)), None)
-                if gpu is None:
-                    short += 1
-                    continue
-                dep.warm[gpu] -= 1
+            reasons: tuple[str, ...] = ()
+            if self._servers and dep.warm is self.shared_warm:
+                chosen, short, reasons = self._place(dep, dep.target - have)
+            else:
+                chosen = []
+                for _ in range(dep.target - have):
+                    gpu = next(
+                        (g for g, n in dep.warm.items() if n > 0 and self._fits(dep, g)), None
+                    )
+                    if gpu is None:
+                        short += 1
+                        continue
+                    dep.warm[gpu] -= 1
+                    chosen.append((gpu, None))
+            for gpu, server in chosen:
                 url, engine = self._new_engine(dep, gpu, now)
+                if server is not None:
+                    self._placed[url] = server
                 dep.booting[url] = engine
-                ready = now + a.boot.draw(self._rng)
+                cached = (
+                    server is not None and dep.spec.model in self._servers[server].models_cached
+                )
+                ready = now + a.ready_s(self._rng, cached=cached)
+                self._boot_at[url] = now
                 self._ready_at[url] = ready
                 self._timer(ready, "ready", dep.index, url)
             if short:
-                self.exhaustions.append(Exhaustion(now, dep.spec.name, short))
+                self.exhaustions.append(Exhaustion(now, dep.spec.name, short, reasons))
         excess = have - dep.target
         while excess > 0 and dep.booting:  # the latest boot is called off first
             url = next(reversed(dep.booting))
             engine = dep.booting.pop(url)
             k = self._engine_index[id(engine)][2]
             self.off_at[k] = now
-            self.booting_s += engine.shape.gpus * (now - (self.on_at[k] or now))
+            self.booting_s += engine.shape.gpus * (now - self._boot_at.pop(url, now))
             self._ready_at.pop(url, None)
-            gpu = self.engine_list[k][0]
-            dep.warm[gpu] = dep.warm.get(gpu, 0) + 1
+            self._to_warm(dep, url, self.engine_list[k][0])
             excess -= 1
-        while excess > 0:
-            candidates = [u for u in dep.engines if u not in dep.draining]
-            if not candidates:
-                break
-            # the one with the least in flight; the newest on a tie
-            url = min(reversed(candidates), key=lambda u: dep.engines[u].live())
-            dep.draining.add(url)
-            dep.pool.replicas[url].ready = False
-            if dep.engines[url].live() == 0:
-                self._leave(dep, url)
-            excess -= 1
+        if excess > 0:
+            # fleet/placement.py's scale-in rule: the tightest rack first, then the fewest in
+            # flight (engines outside the modelled racks count as the tightest)
+            serving = []
+            for url, engine in dep.engines.items():
+                if url in dep.draining or url in dep.faulted:
+                    continue
+                box = self._servers.get(self._placed.get(url, ""))
+                serving.append(
+                    placement.Serving(
+                        name=url,
+                        rack=box.rack if box else "",
+                        deployment=dep.spec.name,
+                        in_flight=engine.live(),
+                        max_w=box.max_w if box else 0.0,
+                        standby_w=box.standby_w if box else 0.0,
+                    )
+                )
+            for url in placement.choose_release(serving, self._rooms(), dep.spec.name, excess):
+                dep.draining.add(url)
+                dep.pool.replicas[url].ready = False
+                if dep.engines[url].live() == 0:
+                    self._leave(dep, url)
+
+    # --- placement (fleet/sim/racks.py) ---------------------------------------------------------
+
+    def _rooms(self) -> dict[str, placement.RackRoom]:
+        return sim_racks.rooms(
+            self.racks, self._servers.values(), {x: x not in self._free for x in self._servers}
+        )
+
+    def _place(
+        self, dep: _Dep, servers: int
+    ) -> tuple[list[tuple[str, str | None]], int, tuple[str, ...]]:
+        """Spares for `servers` more replicas, chosen by fleet/placement.py: ((GPU, server)
+        in boot order, how many could not be placed, why)."""
+        models = {x.gpu_model for x in self._free.values()}
+        running: dict[str, int] = {}
+        for url in [*dep.engines, *dep.booting]:
+            if (server := self._servers.get(self._placed.get(url, ""))) is not None:
+                running[server.rack] = running.get(server.rack, 0) + 1
+        want = placement.Want(
+            deployment=dep.spec.name,
+            model_uri=dep.spec.model,
+            gpu_models=tuple(sorted(g for g in models if self._fits(dep, g))) or ("(none fits)",),
+            gpus_per_replica=dep.spec.tp_size,
+            servers=servers,
+            running_per_rack=running,
+        )
+        choice = placement.choose_spares(list(self._free.values()), self._rooms(), want)
+        picked = [self._free.pop(name) for name in choice.chosen]
+        for x in picked:
+            dep.warm[x.gpu_model] -= 1
+        return [(x.gpu_model, x.name) for x in picked], choice.short, choice.reasons
+
+    def _to_warm(self, dep: _Dep, url: str, gpu: str) -> None:
+        """The engine's server powers off into the warm pool it came from."""
+        server = self._placed.pop(url, None)
+        if server is not None:
+            self._free[server] = self._servers[server]
+        elif self._servers and dep.warm is self.shared_warm:
+            return  # a replica of the starting fleet: outside the modelled racks
+        dep.warm[gpu] = dep.warm.get(gpu, 0) + 1
+
+    def _calendar(self, dep: _Dep) -> None:
+        """One calendar tick (fleet/calendar/service.py `calendar_once`): the floor, and a
+        firing raises the target at once (rule "calendar")."""
+        a, cal = dep.spec.autoscale, dep.calendar
+        assert a is not None and cal is not None
+        tick = cal.tick(
+            self.now,
+            target=dep.target,
+            max_servers=a.max_replicas,
+            warm_models=[g for g, n in dep.warm.items() if n > 0 and self._fits(dep, g)],
+            boot_p90_s=a.ready_p90_s,
+        )
+        dep.floor = tick.floor
+        if not tick.fired:
+            return
+        self.fired.extend(tick.fired)
+        dep.target = tick.target
+        self._apply(dep)
+        serving = dep.serving()
+        self.timeline.append(
+            ScalePoint(
+                self.now,
+                dep.spec.name,
+                dep.target,
+                serving,
+                len(dep.booting),
+                len(dep.draining),
+                "calendar",
+                sum(dep.warm.values()),
+                floor=dep.floor,
+            )
+        )
 
     def _fits(self, dep: _Dep, gpu: str) -> bool:
         return cost_model.kv_capacity_blocks(dep.spec.shape(gpu)) >= 1
 
     def _ready(self, dep: _Dep, url: str) -> None:
-        engine = dep.booting.pop(url, None)
-        if engine is None or self._ready_at.pop(url, None) != self.now:
-            return  # called off
+        if self._ready_at.get(url) != self.now or url not in dep.booting:
+            return  # called off (or an earlier boot's timer)
+        del self._ready_at[url]
+        engine = dep.booting.pop(url)
         k = self._engine_index[id(engine)][2]
-        self.booting_s += engine.shape.gpus * (self.now - (self.on_at[k] or self.now))
+        self.booting_s += engine.shape.gpus * (self.now - self._boot_at.pop(url, self.now))
         self._join(dep, self.engine_list[k][0], (url, engine))
         self._pump(dep)
+
+    # --- faults (fleet/sim/faults.py) ---------------------------------------------------------
+
+    def _xid(self, dep: _Dep, tag: str) -> None:
+        """An Xid on a serving engine, judged by the agent's fault policy."""
+        url, _, life = tag.rpartition("#")
+        engine = dep.engines.get(url)
+        if engine is None or self._life.get(url) != int(life):
+            return  # it left, or went through a restart or reboot since the draw
+        if url in dep.draining or url in dep.faulted:
+            return  # faults while draining are not modelled
+        spec = dep.spec.faults
+        assert spec is not None
+        counts = self.fault_counts
+        code = flt.draw_xid(spec, self._fault_rng)
+        counts.xids[code] += 1
+        assessment, kept = flt.judge(
+            dep.xid_history.get(url, []), code, self.now, engine.shape.gpus, self._fault_rng
+        )
+        dep.xid_history[url] = kept
+        if assessment.verdict is Verdict.UNHEALTHY:
+            # The agent's self-drain: not ready at once; in-flight requests get the deadline.
+            counts.drains += 1
+            dep.faulted[url] = (assessment.action.value, flt.fault_code(assessment))
+            dep.pool.replicas[url].ready = False
+            if engine.live() == 0:
+                self._remediate(dep, url)
+            else:
+                self._timer(self.now + spec.drain_deadline_s, "deadline", dep.index, tag)
+            return
+        if assessment.action is RepairAction.RESTART_ENGINE:
+            # The engine process died; the supervisor starts it again.
+            counts.restarts += 1
+            self._lost(dep, engine.abort(self.now))
+            self._out_of_pool(dep, url)
+            dep.restarting[url] = dep.engines.pop(url)
+            self._timer(self.now + spec.restart_s, "restarted", dep.index, url)
+            self._pump(dep)
+            return
+        wait = flt.next_fault_in(spec, engine.shape.gpus, self._fault_rng)  # nothing to do
+        self._timer(self.now + wait, "xid", dep.index, tag)
+
+    def _deadline(self, dep: _Dep, tag: str) -> None:
+        """The self-drain's deadline: the engines stop with what is left in flight."""
+        url, _, life = tag.rpartition("#")
+        if url not in dep.faulted or self._life.get(url) != int(life):
+            return  # drained in time
+        self._lost(dep, dep.engines[url].abort(self.now))
+        self._remediate(dep, url)
+        self._pump(dep)
+
+    def _remediate(self, dep: _Dep, url: str) -> None:
+        """The provisioner's step once the faulty server drained: `escalate` says power cycle
+        (it boots again for the same deployment) or quarantine (it leaves the fleet)."""
+        spec = dep.spec.faults
+        assert spec is not None
+        action, fault = dep.faulted.pop(url)
+        engine = dep.engines.pop(url)
+        self._out_of_pool(dep, url)
+        dep.xid_history.pop(url, None)  # the agent forgets across reboots; the fleet does not
+        last_fault, count = dep.reboot_history.get(url, (None, 0))
+        remedy = escalate(
+            action, fault, reboot_fault=last_fault, reboot_count=count, max_reboots=spec.max_reboots
+        )
+        k = self._engine_index[id(engine)][2]
+        if remedy.quarantine:
+            self.fault_counts.quarantined += 1
+            self.off_at[k] = self.now
+            if (server := self._placed.pop(url, None)) is not None:
+                self._servers.pop(server)  # out of the fleet (its standby draw goes too)
+            return
+        self.fault_counts.reboots += 1
+        dep.reboot_history[url] = (remedy.reboot_fault, remedy.reboot_count)
+        boot = dep.spec.autoscale.boot if dep.spec.autoscale is not None else auto.BootTime()
+        ready = self.now + boot.draw(self._rng)
+        dep.booting[url] = engine
+        self._boot_at[url] = self.now
+        self._ready_at[url] = ready
+        self._timer(ready, "ready", dep.index, url)
+
+    def _restarted(self, dep: _Dep, url: str) -> None:
+        engine = dep.restarting.pop(url)
+        self._join(dep, self.engine_list[self._engine_index[id(engine)][2]][0], (url, engine))
+        self._pump(dep)
+
+    def _out_of_pool(self, dep: _Dep, url: str) -> None:
+        del dep.pool.replicas[url]
+        del dep.pool.throughput[url]
+        dep.stats.pop(url, None)
+
+    def _lost(self, dep: _Dep, requests: list[SimRequest]) -> None:
+        """Requests whose engine went away. Those with no token out yet are retried on another
+        replica (the router retries a connect error before the first byte, up to its attempts);
+        the others fail."""
+        retry: list[SimRequest] = []
+        for r in requests:
+            ticket = self._tickets.pop(r.rid)
+            dep.pool.release(ticket, output_tokens=0, ok=False, failed=False)
+            if r.first_token != r.first_token and r.retries + 1 < ROUTER_ATTEMPTS:
+                r.retries += 1
+                r.routed = r.start = math.nan
+                r.engine = -1
+                r.computed = r.reserved = r.i0 = 0
+                retry.append(r)
+                self.fault_counts.retried += 1
+            else:
+                r.failed = True
+                self.fault_counts.failed += 1
+        retry.sort(key=lambda r: (r.arrival, r.rid))
+        dep.waiting.extendleft(reversed(retry))  # they came before everyone waiting
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -387,24 +768,38 @@ class Simulation:
         for d in scaled:
             assert d.spec.autoscale is not None
             self._timer(first + d.spec.autoscale.interval_s, "tick", d.index)
+            if d.calendar is not None:
+                self._timer(0.0, "calendar", d.index)  # on the wall clock's ticks from start
         inf = math.inf
+        heappop, heappush = heapq.heappop, heapq.heappush
+        engine_index = self._engine_index
+        tickets = self._tickets
         while True:
             te = heap[0][0] if heap else inf
             ta = requests[i].arrival if i < n else inf
-            if te == inf and ta == inf and not any(d.waiting and d.booting for d in scaled):
+            if (
+                te == inf
+                and ta == inf
+                and not any(d.waiting and (d.booting or d.restarting) for d in deps)
+            ):
                 break  # nothing left to happen (waiting requests with no boot to come: stuck)
             tt = timers[0][0] if timers else inf
             if te <= ta and te <= tt:
-                t, _, engine = heapq.heappop(heap)
-                if engine.next_time != t:  # superseded (a cut or a replan)
+                t, _, engine = heappop(heap)
+                b = engine.block
+                if b is None or b.end != t:  # superseded (a cut or a replan)
                     continue
                 self.now = t
                 events += 1
-                dep, _, _ = self._engine_index[id(engine)]
+                dep = engine_index[id(engine)][0]
                 finished = engine.advance()
-                self._schedule(engine)
+                dep.dirty[engine.url] = engine
+                b = engine.block
+                if b is not None:  # as _schedule
+                    self._seq += 1
+                    heappush(heap, (b.end, self._seq, engine))
                 for r in finished:
-                    ticket = self._tickets.pop(r.rid)
+                    ticket = tickets.pop(r.rid)
                     ticket.output_seen = r.output
                     dep.pool.release(ticket, output_tokens=r.output, ok=True, failed=False)
                     if dep.spec.autoscale is not None:
@@ -417,7 +812,11 @@ class Simulation:
                     if dep.draining:
                         for url in [u for u in dep.draining if dep.engines[u].live() == 0]:
                             self._leave(dep, url)
-                    self._pump(dep)
+                    if dep.faulted:  # self-drains done in time
+                        for url in [u for u in dep.faulted if dep.engines[u].live() == 0]:
+                            self._remediate(dep, url)
+                    if dep.waiting:
+                        self._pump(dep)
             elif tt <= ta:
                 t, _, kind, index, url = heapq.heappop(timers)
                 self.now = t
@@ -426,6 +825,16 @@ class Simulation:
                     assert dep.spec.autoscale is not None
                     self._tick(dep)
                     self._timer(t + dep.spec.autoscale.interval_s, "tick", index)
+                elif kind == "calendar":
+                    assert dep.calendar is not None
+                    self._calendar(dep)
+                    self._timer(t + dep.calendar.tick_s, "calendar", index)
+                elif kind == "xid":
+                    self._xid(dep, url)
+                elif kind == "deadline":
+                    self._deadline(dep, url)
+                elif kind == "restarted":
+                    self._restarted(dep, url)
                 else:
                     self._ready(dep, url)
             else:
@@ -437,10 +846,9 @@ class Simulation:
                 if dep.waiting:
                     dep.waiting.append(r)
                     continue
-                self._refresh(dep)
                 if not self._try_route(dep, r):
                     dep.waiting.append(r)
-        last = max((r.finish for r in requests), default=first)
+        last = max((r.finish for r in requests if r.finish == r.finish), default=first)
         on_s = []
         for on_at, off_at in zip(self.on_at, self.off_at, strict=True):
             on = first if on_at is None else on_at
@@ -448,9 +856,8 @@ class Simulation:
             on_s.append(max(0.0, off - on))
         booting = self.booting_s
         for dep in deps:  # still booting at the end
-            for engine in dep.booting.values():
-                k = self._engine_index[id(engine)][2]
-                booting += engine.shape.gpus * max(0.0, last - (self.on_at[k] or last))
+            for url, engine in dep.booting.items():
+                booting += engine.shape.gpus * max(0.0, last - self._boot_at.get(url, last))
         return RunResult(
             requests=list(requests),
             engines=self.engine_list,
@@ -462,6 +869,9 @@ class Simulation:
             booting_s=booting,
             timeline=self.timeline,
             exhaustions=self.exhaustions,
+            faults=self.fault_counts if any(d.spec.faults for d in deps) else None,
+            fired=self.fired,
+            engine_deployments=[self._engine_index[id(e)][0].index for _, e in self.engine_list],
         )
 
 
@@ -494,6 +904,13 @@ class Summary:
     peak_replicas: int = 0  # serving + booting at most (fixed fleets: the engines)
     exhaustions: int = 0  # autoscaler ticks short of warm spares
     first_exhaustion_s: float | None = None
+    # Faults (zero without them)
+    failed: int = 0  # requests lost mid-stream (counted as SLA misses)
+    retried: int = 0  # re-routed after their engine went away before their first token
+    xids: int = 0
+    engine_restarts: int = 0
+    reboots: int = 0
+    quarantined: int = 0
 
 
 def engine_kwh(gpu: str, engine: Engine, span_s: float) -> float:
@@ -517,13 +934,16 @@ def summarize(result: RunResult, *, warmup: float = 0.0) -> Summary:
     specs = result.deployments
     met = 0
     with_sla = 0
-    for r in done:
+    failed = [r for r in reqs if r.failed]
+    for r in (*done, *failed):
         s = specs[r.deployment]
         if s.latency_sla_s is None and s.ttft_sla_s is None:
             continue
         with_sla += 1
-        ok = (s.latency_sla_s is None or r.finish - r.arrival <= s.latency_sla_s) and (
-            s.ttft_sla_s is None or r.first_token - r.arrival <= s.ttft_sla_s
+        ok = (
+            not r.failed
+            and (s.latency_sla_s is None or r.finish - r.arrival <= s.latency_sla_s)
+            and (s.ttft_sla_s is None or r.first_token - r.arrival <= s.ttft_sla_s)
         )
         met += ok
     span = result.span_s
@@ -550,4 +970,10 @@ def summarize(result: RunResult, *, warmup: float = 0.0) -> Summary:
         peak_replicas=peak,
         exhaustions=len(result.exhaustions),
         first_exhaustion_s=result.exhaustions[0].at if result.exhaustions else None,
+        failed=len(failed),
+        retried=sum(1 for r in reqs if r.retries),
+        xids=sum(f.xids.values()) if (f := result.faults) else 0,
+        engine_restarts=f.restarts if f else 0,
+        reboots=f.reboots if f else 0,
+        quarantined=f.quarantined if f else 0,
     )

@@ -31,16 +31,20 @@ reference; tests/test_sim.py checks that both modes agree).
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from heapq import heappop, heappush
+from math import sqrt
+from typing import Literal, Protocol
 
 from agents.engine import cost_model
 from agents.engine.cost_model import EngineShape
 
 Batching = Literal["continuous", "static"]
+_DURATIONS: dict[EngineShape, dict[tuple[int, int, int], float]] = {}
+_DURATIONS_KEPT = 1 << 16  # per shape, then it starts again
 NAN = float("nan")
 
 
@@ -61,6 +65,8 @@ class SimRequest:
     finish: float = NAN
     engine: int = -1
     expected: float = 0.0  # the router's expected output at booking
+    failed: bool = False  # lost to a fault after its first token (fleet/sim/faults.py)
+    retries: int = 0  # re-routed after its engine went away before its first token
     # Engine state
     computed: int = 0  # prompt tokens computed
     reserved: int = 0  # KV blocks reserved (prompt + max_tokens)
@@ -72,10 +78,11 @@ class _Block:
     start: float
     end: float
     iters: int
-    prefill: list[tuple[SimRequest, int]] = field(default_factory=list)
+    prefill: Sequence[tuple[SimRequest, int]] = ()
     run: bool = False  # decode-only run (may be cut)
     u: float = 0.0  # first iteration's duration (runs)
     v: float = 0.0  # growth per iteration (runs)
+    lin: float = 0.0  # u - v/2 (runs: S(k) = v/2·k² + lin·k), for the estimate of k
 
 
 class Engine:
@@ -114,6 +121,13 @@ class Engine:
         self.block: _Block | None = None
         self.busy_s = 0.0
         self.iterations = 0
+        self.url = ""  # the owner's name for it (the simulation's replica URL)
+        self._tokens_per_block = shape.tokens_per_block
+        # iteration_seconds of prefill iterations, by (decodes, prompt tokens, KV read): the
+        # same figures, shared by the engines of one shape
+        self._durations = _DURATIONS.setdefault(shape, {})
+        self._max_batch = shape.max_batch_size
+        self._max_tokens = shape.max_num_tokens
 
     # --- state ---------------------------------------------------------------------------
 
@@ -125,25 +139,34 @@ class Engine:
         """Requests booked here and not finished."""
         return len(self.waiting) + len(self.context) + len(self.decoding)
 
+    def abort(self, now: float) -> list[SimRequest]:
+        """The engine process is gone (a crash, or stopped at a drain deadline): the requests
+        booked here come back unfinished and the engine is empty. The block in progress counts
+        as busy up to `now`; its iterations are lost."""
+        b = self.block
+        if b is not None and now > b.start:
+            self.busy_s += min(now, b.end) - b.start
+        lost = [*self.waiting, *self.context, *(r for _, _, r in self.decoding)]
+        self.waiting.clear()
+        self.context.clear()
+        self.decoding.clear()
+        self.n_dec = self.kv_const = self.reserved = 0
+        self.block = None
+        return lost
+
     def used_fraction(self) -> float:
         """KV use (tokens cached / capacity), as an agent would report it."""
-        used = self.kv_const + self.n_dec * self.it + sum(r.computed for r in self.context)
+        used = self.kv_const + self.n_dec * self.it
+        if self.context:
+            used += sum(r.computed for r in self.context)
         return min(1.0, used / self.kv_tokens)
 
     def output_left(self, now: float, expected: dict[int, float] | None = None) -> float:
         """What the router's books hold for this engine at `now`: Σ max(0, expected - streamed)
         over the requests booked here, tokens streamed by the iterations ended by `now`."""
-        done = self.it + self._iters_done(now)
-        total = 0.0
-        for r in self.waiting:
-            total += r.expected
-        for r in self.context:
-            total += r.expected
-        for _, _, r in self.decoding:
-            left = r.expected - (1 + done - r.i0)
-            if left > 0:
-                total += left
-        return total
+        box = _Box()
+        outputs_left([("", (self, box))], now)
+        return box.output_left
 
     # --- requests ------------------------------------------------------------------------
 
@@ -154,9 +177,14 @@ class Engine:
 
     def add(self, r: SimRequest, now: float) -> bool:
         """Queue `r` at `now`. True when the engine's next event time changed."""
-        if not self.fits(r.prompt, r.max_tokens):
+        blocks = -(-(r.prompt + r.max_tokens) // self._tokens_per_block)  # as `fits`
+        if (
+            blocks > self.max_blocks
+            or (not self.chunked and r.prompt > self._max_tokens)
+            or r.max_tokens < 1
+        ):
             raise ValueError(f"request {r.rid} ({r.prompt}+{r.max_tokens}) never fits this engine")
-        r.reserved = cost_model.blocks_for(self.shape, r.prompt + r.max_tokens)
+        r.reserved = blocks
         self.waiting.append(r)
         b = self.block
         if b is None:
@@ -184,96 +212,95 @@ class Engine:
         """Iterations i ≥ 0 of run `b` with S(i) < span (strict) or S(i) ≤ span; S(0) = 0."""
         if span <= 0:
             return 0 if strict or span < 0 else 1
-        a, lin = b.v / 2, b.u - b.v / 2
-        if a > 0:
-            i = int((-lin + math.sqrt(lin * lin + 4 * a * span)) / (2 * a))
-        else:
-            i = int(span / b.u)
+        u, v = b.u, b.v
+        a = v / 2
+        lin = u - a
+        i = int((-lin + sqrt(lin * lin + 4 * a * span)) / (2 * a)) if a > 0 else int(span / u)
         i = max(0, i - 1)
-
-        def ok(n: int) -> bool:
-            s = self._run_seconds(b, n)
-            return s < span if strict else s <= span
-
-        while ok(i + 1):
-            i += 1
-        while i > 0 and not ok(i):
-            i -= 1
+        # S(k) = k·u + v·k(k-1)/2 exactly as `_run_seconds` computes it (monotone in k): the
+        # estimate above is corrected to the last i with S(i) < span (or ≤ span).
+        if strict:
+            k = i + 1
+            while k * u + v * k * (k - 1) / 2 < span:
+                k += 1
+            i = k - 1
+            while i > 0 and not i * u + v * i * (i - 1) / 2 < span:
+                i -= 1
+        else:
+            k = i + 1
+            while k * u + v * k * (k - 1) / 2 <= span:
+                k += 1
+            i = k - 1
+            while i > 0 and not i * u + v * i * (i - 1) / 2 <= span:
+                i -= 1
         return i + 1  # i = 0 always counts (S(0) = 0 < span)
 
-    def _iters_done(self, now: float) -> int:
-        b = self.block
-        if b is None or now < b.start:
-            return 0
-        if now >= b.end:
-            return b.iters
-        if not b.run:
-            return 0
-        # iterations whose end S(i+1) ≤ now - start
-        return min(b.iters, self._count(b, now - b.start, strict=False) - 1)
-
-    def _admit(self) -> None:
-        limit = self.shape.max_batch_size
-        if self.static and (self.context or self.n_dec):
-            return
-        while self.waiting and len(self.context) + len(self.decoding) < limit:
-            head = self.waiting[0]
-            if self.reserved + head.reserved > self.max_blocks:
-                break
-            self.waiting.popleft()
-            self.reserved += head.reserved
-            self.context.append(head)
-
     def _plan(self, now: float) -> None:
-        self._admit()
         shape = self.shape
+        waiting, context = self.waiting, self.context
+        # Admission: first come first served, within max_batch_size and the KV blocks free
+        if waiting and not (self.static and (context or self.n_dec)):
+            limit = self._max_batch
+            while waiting and len(context) + len(self.decoding) < limit:
+                head = waiting[0]
+                if self.reserved + head.reserved > self.max_blocks:
+                    break
+                waiting.popleft()
+                self.reserved += head.reserved
+                context.append(head)
         b_dec = self.n_dec
-        if self.context:
-            budget = shape.max_num_tokens - b_dec
-            slots = shape.max_batch_size - len(self.decoding)
+        if context:
+            budget = self._max_tokens - b_dec
+            slots = self._max_batch - len(self.decoding)
             chunks: list[tuple[SimRequest, int]] = []
             kv_ctx = 0
-            for r in self.context:
+            ctx = 0
+            for r in context:
                 if budget <= 0 or slots <= 0:
                     break
                 remaining = r.prompt - r.computed
                 if remaining <= budget:
                     chunk = remaining
                 elif self.chunked:
-                    per_block = shape.tokens_per_block
+                    per_block = self._tokens_per_block
                     aligned = (budget // per_block) * per_block
                     chunk = aligned if aligned > 0 else budget
                 else:
                     break
                 chunks.append((r, chunk))
                 kv_ctx += r.computed + chunk
+                ctx += chunk
                 budget -= chunk
                 slots -= 1
                 if r.start != r.start:  # NaN: first scheduled now
                     r.start = now
             if chunks:
-                ctx = sum(c for _, c in chunks)
                 kv = self.kv_const + b_dec * self.it + kv_ctx
-                d = cost_model.iteration_seconds(shape, b_dec, ctx, kv)
+                key = (b_dec, ctx, kv)
+                d = self._durations.get(key)
+                if d is None:
+                    d = cost_model.iteration_seconds(shape, b_dec, ctx, kv)
+                    if len(self._durations) >= _DURATIONS_KEPT:
+                        self._durations.clear()
+                    self._durations[key] = d
                 self.block = _Block(now, now + d, 1, chunks)
                 return
         if b_dec:
-            u = (
-                self._base
-                + self._per_token * b_dec
-                + self._per_kv * (self.kv_const + b_dec * self.it)
-            )
-            v = self._per_kv * b_dec
+            kv = self.kv_const + b_dec * self.it
             if self.per_iteration:
-                kv = self.kv_const + b_dec * self.it
                 d = cost_model.iteration_seconds(shape, b_dec, 0, kv)
-                self.block = _Block(now, now + d, 1, run=True, u=d, v=0.0)
+                self.block = _Block(now, now + d, 1, (), True, d, 0.0)
                 return
+            u = self._base + self._per_token * b_dec + self._per_kv * kv
+            v = self._per_kv * b_dec
             # (no live decoder with padding left cannot happen: a static batch ends with its last)
-            k = max(1, self.decoding[0][0] - self.it) if self.decoding else 1
-            blk = _Block(now, now, k, run=True, u=u, v=v)
-            blk.end = now + self._run_seconds(blk, k)
-            self.block = blk
+            k = self.decoding[0][0] - self.it if self.decoding else 1
+            if k < 1:
+                k = 1
+            # the run's duration as `_run_seconds` computes it
+            self.block = _Block(
+                now, now + (k * u + v * k * (k - 1) / 2), k, (), True, u, v, u - v / 2
+            )
             return
         self.block = None
 
@@ -284,13 +311,13 @@ class Engine:
         assert b is not None
         end = b.end
         self.busy_s += end - b.start
-        self.iterations += b.iters
-        self.it += b.iters
-        it = self.it
+        iters = b.iters
+        self.iterations += iters
+        it = self.it = self.it + iters
         finished: list[SimRequest] = []
         heap = self.decoding
         while heap and heap[0][0] <= it:
-            _, _, r = heapq.heappop(heap)
+            _, _, r = heappop(heap)
             r.finish = end
             finished.append(r)
             if not self.static:
@@ -309,7 +336,7 @@ class Engine:
                     if not self.static:
                         self.reserved -= r.reserved
                     continue
-                heapq.heappush(heap, (it + r.output - 1, r.rid, r))
+                heappush(heap, (it + r.output - 1, r.rid, r))
                 self.n_dec += 1
                 self.kv_const += r.prompt + 1 - it
         if self.static and not heap and not self.context:
@@ -317,5 +344,82 @@ class Engine:
             self.kv_const = 0
             self.reserved = 0
         self.block = None
-        self._plan(end)
+        if heap or self.context or self.waiting:
+            self._plan(end)
         return finished
+
+
+class OutputLeft(Protocol):
+    output_left: float
+
+
+@dataclass(slots=True)
+class _Box:
+    output_left: float = 0.0
+
+
+def outputs_left(
+    engines: Iterable[tuple[str, tuple[Engine, OutputLeft]]], now: float
+) -> list[str] | None:
+    """`Engine.output_left(now)` of each (key, (engine, sink)), written to the sink (the
+    simulation passes the router's Replica). Returns the keys of the engines whose figure can
+    no longer fall until they change (an add or a block end): none of their requests in
+    generation is short of its expected length (the iterations ended only grow), so the figure
+    stays as written; None when there are none.
+
+    One loop for many engines: the simulation runs it over a deployment's engines in
+    generation before every routing decision."""
+    settled: list[str] | None = None
+    for key, (e, sink) in engines:
+        total = 0.0
+        if e.waiting:
+            for r in e.waiting:
+                total += r.expected
+        if e.context:
+            for r in e.context:
+                total += r.expected
+        decoding = e.decoding
+        if not decoding:
+            sink.output_left = total
+            if settled is None:
+                settled = []
+            settled.append(key)
+            continue
+        # The iterations ended by `now`
+        done = e.it
+        b = e.block
+        if b is not None and now >= b.start:
+            if now >= b.end:
+                done += b.iters
+            elif b.run:
+                # the last i with S(i) ≤ now - start, S as `_run_seconds` computes it (as
+                # `_count(b, now - start, strict=False) - 1`)
+                span = now - b.start
+                u, v = b.u, b.v
+                if v > 0:
+                    lin = b.lin
+                    i = int((sqrt(lin * lin + 2 * v * span) - lin) / v)  # the estimate
+                else:
+                    i = int(span / u)
+                if i * u + v * i * (i - 1) / 2 <= span:
+                    k = i + 1
+                    while k * u + v * k * (k - 1) / 2 <= span:
+                        i = k
+                        k += 1
+                else:
+                    i -= 1
+                    while i > 0 and not i * u + v * i * (i - 1) / 2 <= span:
+                        i -= 1
+                done += i if i < b.iters else b.iters
+        moving = False
+        for _, _, r in decoding:
+            left = r.expected - (1 + done - r.i0)
+            if left > 0:
+                total += left
+                moving = True
+        sink.output_left = total
+        if not moving:
+            if settled is None:
+                settled = []
+            settled.append(key)
+    return settled

@@ -29,8 +29,16 @@
         #   min_replicas: 1
         #   max_replicas: 8
         #   boot_s: {mean: 900, sd: 120}    # or seconds; default 1200 (boot_estimate_s)
+        #   load_s: {mean: 120, sd: 30}     # the model's load apart (default: inside boot_s)
         #   warm_pool: {H100: 4}    # its own spares; default: the scenario's warm_pool
+        # calendar:                 # scheduled floors (autoscale only; fleet/sim/calendar.py)
+        #   - {cron: "0 10 * * *", timezone: UTC, duration_s: 1800, min_replicas: 4}
     warm_pool: {H100: 6}        # spares shared by autoscaled deployments without their own
+    # or, instead, spares in racks with power budgets (fleet/sim/racks.py, fleet/placement.py):
+    # racks: [{name: r1, budget_w: 20000, spares: {H100: 4}, cached: [llama-3.1-8b]}]
+    # faults: {xids_per_gpu_hour: 0.01}   # GPU Xids (fleet/sim/faults.py); per deployment too
+    start: 2026-12-07T00:00:00Z # the wall-clock time of simulated second 0 (the default)
+    calendar_interval_s: 30     # the calendar's tick (fleet/settings.py's default)
 
 Capacity (for `load`): the cost model's steady state for the deployment's request mix at
 max_batch_size streams per engine, summed (as bench/routing.py computes it).
@@ -39,7 +47,8 @@ max_batch_size streams per engine, summed (as bench/routing.py computes it).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -56,9 +65,12 @@ from pydantic import (
 from agents.engine import cost_model
 from fleet.router.strategy import STRATEGIES
 from fleet.sim import arrivals as arr
+from fleet.sim import calendar as sim_calendar
 from fleet.sim.autoscale import AutoscaleSpec, BootTime
 from fleet.sim.core import DeploymentSpec, RunResult, Simulation, Summary, summarize
 from fleet.sim.engine import SimRequest
+from fleet.sim.faults import DEFAULT_MIX, FaultSpec
+from fleet.sim.racks import RackSpec
 
 
 class _Strict(BaseModel):
@@ -144,6 +156,73 @@ class BootModel(_Strict):
     sd: float = Field(default=0.0, ge=0)
 
 
+class ServerPowerModel(_Strict):
+    max_w: float = Field(gt=0)
+    standby_w: float = Field(ge=0)
+
+
+class RackModel(_Strict):
+    """A rack of warm spares with a power budget (fleet/sim/racks.py)."""
+
+    name: str = Field(min_length=1)
+    site: str = "site"
+    budget_w: float = Field(gt=0)
+    spares: dict[str, int] = Field(default_factory=dict)  # GPU model → warm servers
+    cached: list[str] = Field(default_factory=list)  # models on the spares' disks
+    feed_sides: list[str] = Field(default_factory=lambda: ["A", "B"], min_length=1)
+    other_w: float = Field(default=0.0, ge=0)
+    server: ServerPowerModel | None = None  # per spare; default: racks.SERVER_POWER
+
+    @field_validator("spares")
+    @classmethod
+    def _spares(cls, v: dict[str, int]) -> dict[str, int]:
+        _check_pool(v)
+        return v
+
+    def spec(self) -> RackSpec:
+        return RackSpec(
+            name=self.name,
+            budget_w=self.budget_w,
+            site=self.site,
+            spares=tuple((g, n) for g, n in self.spares.items() if n > 0),
+            cached=tuple(self.cached),
+            feed_sides=tuple(self.feed_sides),
+            other_w=self.other_w,
+            server_max_w=self.server.max_w if self.server else None,
+            server_standby_w=self.server.standby_w if self.server else None,
+        )
+
+
+class FaultsModel(_Strict):
+    """GPU faults (fleet/sim/faults.py): Xids per GPU-hour, their mix, and the recovery times."""
+
+    xids_per_gpu_hour: float = Field(ge=0)
+    mix: dict[int, float] | None = None  # Xid → weight; None: the assumed DEFAULT_MIX
+    restart_s: float = Field(default=FaultSpec.restart_s, gt=0)
+    drain_deadline_s: float = Field(default=FaultSpec.drain_deadline_s, ge=0)
+    max_reboots: int = Field(default=FaultSpec.max_reboots, ge=0)
+
+    @field_validator("mix")
+    @classmethod
+    def _mix(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is not None and (any(w < 0 for w in v.values()) or sum(v.values()) <= 0):
+            raise ValueError("weights must be ≥ 0 with a positive sum")
+        return v
+
+    def spec(self) -> FaultSpec:
+        return FaultSpec(
+            xids_per_gpu_hour=self.xids_per_gpu_hour,
+            mix=DEFAULT_MIX if self.mix is None else tuple(self.mix.items()),
+            restart_s=self.restart_s,
+            drain_deadline_s=self.drain_deadline_s,
+            max_reboots=self.max_reboots,
+        )
+
+
+def _time(v: float | BootModel) -> BootTime:
+    return BootTime(v.mean, v.sd) if isinstance(v, BootModel) else BootTime(float(v))
+
+
 class AutoscaleModel(_Strict):
     """The autoscaler's knobs (defaults: fleet/settings.py) and where its spares come from."""
 
@@ -158,17 +237,21 @@ class AutoscaleModel(_Strict):
     max_replicas: int = Field(default=1000, ge=1)
     warm_pool: dict[str, int] | None = None  # None: the scenario's shared warm_pool
     boot_s: float | BootModel = Field(default=1200.0)  # fleet.settings boot_estimate_s
+    # The model's load after the boot (None: inside boot_s); a spare with the model cached
+    # (racks' `cached`) loads in load_cached_s
+    load_s: float | BootModel | None = None
+    load_cached_s: float | BootModel = 20.0
 
     @field_validator("warm_pool")
     @classmethod
     def _pool(cls, v: dict[str, int] | None) -> dict[str, int] | None:
         return _check_pool(v)
 
-    @field_validator("boot_s")
+    @field_validator("boot_s", "load_s", "load_cached_s")
     @classmethod
-    def _boot(cls, v: float | BootModel) -> float | BootModel:
+    def _boot(cls, v: float | BootModel | None) -> float | BootModel | None:
         if isinstance(v, (int, float)) and not v > 0:
-            raise ValueError("boot_s must be > 0 seconds (or {mean, sd})")
+            raise ValueError("must be > 0 seconds (or {mean, sd})")
         return v
 
     @model_validator(mode="after")
@@ -179,12 +262,8 @@ class AutoscaleModel(_Strict):
             )
         return self
 
-    def spec(self, sla: SlaModel) -> AutoscaleSpec:
-        boot = (
-            BootTime(self.boot_s.mean, self.boot_s.sd)
-            if isinstance(self.boot_s, BootModel)
-            else BootTime(float(self.boot_s))
-        )
+    def spec(self, sla: SlaModel, calendar: tuple[sim_calendar.Entry, ...] = ()) -> AutoscaleSpec:
+        boot = _time(self.boot_s)
         assert sla.latency_s is not None and sla.ttft_s is not None
         return AutoscaleSpec(
             interval_s=self.interval_s,
@@ -198,8 +277,11 @@ class AutoscaleModel(_Strict):
             max_replicas=self.max_replicas,
             warm_pool=None if self.warm_pool is None else tuple(self.warm_pool.items()),
             boot=boot,
+            load=None if self.load_s is None else _time(self.load_s),
+            load_cached=_time(self.load_cached_s),
             sla_p95_s=sla.latency_s,
             sla_ttft_s=sla.ttft_s,
+            calendar=calendar,
         )
 
 
@@ -217,6 +299,9 @@ class DeploymentModel(_Strict):
     sla: SlaModel = SlaModel()
     arrivals: ArrivalsModel
     autoscale: AutoscaleModel | None = None  # None: a fixed fleet (the default)
+    faults: FaultsModel | None = None  # None: the scenario's `faults` (if any)
+    # Scheduled floors, as the API's schedule entries (fleet/sim/calendar.py); needs autoscale
+    calendar: tuple[sim_calendar.EntryModel, ...] = ()
 
     @model_validator(mode="after")
     def _autoscaled(self) -> DeploymentModel:
@@ -225,6 +310,18 @@ class DeploymentModel(_Strict):
                 "autoscale needs sla.latency_s and sla.ttft_s (the policy's latency targets)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _calendar(self) -> DeploymentModel:
+        self._calendar_entries()
+        return self
+
+    def _calendar_entries(self) -> tuple[sim_calendar.Entry, ...]:
+        if not self.calendar:
+            return ()
+        if self.autoscale is None:
+            raise ValueError("calendar needs autoscale (an entry is a floor under its target)")
+        return sim_calendar.entries(self.name, self.calendar, self.autoscale.max_replicas)
 
     @field_validator("model")
     @classmethod
@@ -250,8 +347,15 @@ class DeploymentModel(_Strict):
             raise ValueError(f"unknown strategy {v!r} (one of {', '.join(STRATEGIES)})")
         return v
 
-    def spec(self, strategy: str | None = None, batching: str | None = None) -> DeploymentSpec:
+    def spec(
+        self,
+        strategy: str | None = None,
+        batching: str | None = None,
+        faults: FaultsModel | None = None,
+    ) -> DeploymentSpec:
+        """`faults`: the scenario's, for a deployment without its own."""
         b = batching or self.batching
+        mine = self.faults or faults
         if b not in ("continuous", "static"):
             raise ValueError(f"unknown batching {b!r}")
         return DeploymentSpec(
@@ -267,7 +371,12 @@ class DeploymentModel(_Strict):
             router_limit=self.router_limit,
             latency_sla_s=self.sla.latency_s,
             ttft_sla_s=self.sla.ttft_s,
-            autoscale=None if self.autoscale is None else self.autoscale.spec(self.sla),
+            autoscale=(
+                None
+                if self.autoscale is None
+                else self.autoscale.spec(self.sla, self._calendar_entries())
+            ),
+            faults=None if mine is None else mine.spec(),
         )
 
 
@@ -278,12 +387,44 @@ class Scenario(_Strict):
     deployments: list[DeploymentModel] = Field(min_length=1)
     # Warm spares shared by the autoscaled deployments without a warm_pool of their own
     warm_pool: dict[str, int] = Field(default_factory=dict)
+    faults: FaultsModel | None = None  # for every deployment without its own
+    # The shared warm pool as servers in racks with power budgets (instead of warm_pool):
+    # spares are then chosen and released by fleet/placement.py
+    racks: list[RackModel] = Field(default_factory=list)
+    # The wall-clock time of simulated second 0 (the calendar's windows are on this clock);
+    # without an offset: UTC
+    start: datetime = sim_calendar.DEFAULT_START
+    calendar_interval_s: float = Field(default=sim_calendar.TICK_S, gt=0)
 
     @field_validator("warm_pool")
     @classmethod
     def _pool(cls, v: dict[str, int]) -> dict[str, int]:
         _check_pool(v)
         return v
+
+    def shared_pool(self) -> dict[str, int]:
+        """The shared warm pool's spares by GPU model (from `racks` when given)."""
+        if not self.racks:
+            return dict(self.warm_pool)
+        pool: dict[str, int] = {}
+        for rack in self.racks:
+            for gpu, n in rack.spares.items():
+                pool[gpu] = pool.get(gpu, 0) + n
+        return pool
+
+    @model_validator(mode="after")
+    def _one_pool(self) -> Scenario:
+        if self.racks and self.warm_pool:
+            raise ValueError("give the shared warm pool as racks or as warm_pool, not both")
+        names = [r.name for r in self.racks]
+        if len(set(names)) != len(names):
+            raise ValueError("rack names must be unique")
+        return self
+
+    @field_validator("start")
+    @classmethod
+    def _start(cls, v: datetime) -> datetime:
+        return v.replace(tzinfo=UTC) if v.tzinfo is None else v.astimezone(UTC)
 
 
 class ScenarioError(ValueError):
@@ -392,12 +533,15 @@ def run_requests(
     seed: int | None = None,
 ) -> RunResult:
     """One run; `seed` (default: the scenario's) draws the boot times."""
-    specs = [d.spec(strategy, batching) for d in scenario.deployments]
+    specs = [d.spec(strategy, batching, scenario.faults) for d in scenario.deployments]
     sim = Simulation(
         specs,
         per_iteration=per_iteration,
         warm_pool=tuple(scenario.warm_pool.items()),
         seed=scenario.seed if seed is None else seed,
+        start=scenario.start,
+        calendar_interval_s=scenario.calendar_interval_s,
+        racks=[r.spec() for r in scenario.racks],
     )
     return sim.run(_fresh(requests))
 
@@ -426,14 +570,20 @@ def parse_variant(text: str) -> tuple[str | None, str | None]:
 
 
 def compare(
-    scenario: Scenario, variants: Sequence[str], seed: int | None = None
+    scenario: Scenario,
+    variants: Sequence[str],
+    seed: int | None = None,
+    on_result: Callable[[str, RunResult], None] | None = None,
 ) -> list[tuple[str, Summary]]:
-    """Each variant ("strategy", "batching" or "strategy/batching") on the SAME requests."""
+    """Each variant ("strategy", "batching" or "strategy/batching") on the SAME requests;
+    `on_result(variant, result)` sees each run (e.g. to chart it) before the next starts."""
     requests = generate(scenario, seed)
     rows: list[tuple[str, Summary]] = []
     for v in variants:
         strategy, batching = parse_variant(v)
         result = run_requests(scenario, requests, strategy=strategy, batching=batching, seed=seed)
+        if on_result is not None:
+            on_result(v, result)
         rows.append((v, summarize(result, warmup=scenario.warmup)))
     return rows
 
@@ -446,6 +596,9 @@ def table(rows: Sequence[tuple[str, Summary]]) -> str:
         f"{'ttft p50':>8} {'p95':>8} {'p99':>8} {'SLA':>6} {'GPU-h':>7} {'kWh':>7} "
         f"{'peak':>5} {'exh':>4}"
     )
+    faults = any(s.xids for _, s in rows)
+    if faults:
+        head += f" {'xids':>5} {'fail':>5} {'retry':>5} {'boot':>5} {'quar':>5}"
     lines = [head, "-" * len(head)]
     for name, s in rows:
         sla = "-" if s.sla_attainment is None else f"{100 * s.sla_attainment:.1f}%"
@@ -454,5 +607,37 @@ def table(rows: Sequence[tuple[str, Summary]]) -> str:
             f"{s.latency_p99:>8.2f} {s.ttft_p50:>8.3f} {s.ttft_p95:>8.3f} {s.ttft_p99:>8.3f} "
             f"{sla:>6} {s.gpu_hours:>7.2f} {s.kwh:>7.2f} {s.peak_replicas:>5} "
             f"{s.exhaustions:>4}"
+            + (
+                f" {s.xids:>5} {s.failed:>5} {s.retried:>5} {s.reboots:>5} {s.quarantined:>5}"
+                if faults
+                else ""
+            )
         )
     return "\n".join(lines)
+
+
+def report(result: RunResult) -> list[str]:
+    """What happened besides the figures, a line each: calendar firings, warm-pool
+    exhaustion (with placement's reasons), faults."""
+    lines = [
+        f"calendar: {f.deployment} window {f.window_start:%Y-%m-%d %H:%M} UTC fired at "
+        f"{f.at:.0f} s (lead {f.lead_s:.0f} s, {f.lead_basis}): target {f.target_before} → "
+        f"{f.target_after}"
+        for f in result.fired
+    ]
+    if result.exhaustions:
+        first = result.exhaustions[0]
+        lines.append(
+            f"warm pool exhausted at {len(result.exhaustions)} tick(s), first at {first.at:.0f} s "
+            f"({first.deployment}: {first.short} short)"
+        )
+        lines += [f"  {why}" for why in first.reasons]
+    f = result.faults
+    if f is not None:
+        xids = ", ".join(f"Xid {code} × {n}" for code, n in sorted(f.xids.items())) or "none"
+        lines.append(
+            f"faults: {xids}; {f.restarts} engine restarts, {f.drains} self-drains, "
+            f"{f.reboots} power cycles, {f.quarantined} quarantined; {f.retried} requests "
+            f"retried elsewhere, {f.failed} lost mid-stream"
+        )
+    return lines
