@@ -125,12 +125,16 @@ class _Scored:
     _turn: itertools.count[int] = field(default_factory=itertools.count)
 
     def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
+        rotated = self._rotated(replicas, now)
+        return min(rotated, key=lambda r: self.score(r, request)) if rotated else None
+
+    def _rotated(self, replicas: Sequence[Replica], now: float) -> list[Replica]:
+        """The available replicas, starting one further along each time (the tie turn)."""
         candidates = _open(replicas, now)
         if not candidates:
-            return None
+            return candidates
         offset = next(self._turn) % len(candidates)
-        rotated = candidates[offset:] + candidates[:offset]
-        return min(rotated, key=lambda r: self.score(r, request))
+        return candidates[offset:] + candidates[:offset]
 
 
 def least_pending() -> _Scored:
@@ -163,11 +167,9 @@ class CompletionTime(_Scored):
     prefill_weight: float = PREFILL_WEIGHT
 
     def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
-        candidates = _open(replicas, now)
-        if not candidates:
+        rotated = self._rotated(replicas, now)
+        if not rotated:
             return None
-        offset = next(self._turn) % len(candidates)
-        rotated = candidates[offset:] + candidates[:offset]
         weight = self.prefill_weight
         cost = request.cost(weight)
         best = None
