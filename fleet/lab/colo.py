@@ -1205,12 +1205,17 @@ def _emulator_power(entry: Mapping[str, Any], credentials: tuple[str, str]) -> s
             f"{entry.get('url')}/redfish/v1/Systems/{entry.get('system_id')}",
             headers={"Authorization": f"Basic {token}", "Accept": "application/json"},
         )
-        try:
-            with urllib.request.urlopen(request, timeout=BMC_READ_TIMEOUT_S) as resp:
-                state = json.loads(resp.read()).get("PowerState")
-        except (OSError, ValueError):
-            return "unknown"
-        return {"On": "on", "Off": "off"}.get(str(state), "unknown")
+        # Twice at most: one read can fail while the emulator is busy (seen once in CI right
+        # after a fleet import had probed every system); one failure is not "unknown".
+        for attempt in range(2):
+            try:
+                with urllib.request.urlopen(request, timeout=BMC_READ_TIMEOUT_S) as resp:
+                    state = json.loads(resp.read()).get("PowerState")
+                return {"On": "on", "Off": "off"}.get(str(state), "unknown")
+            except (OSError, ValueError):
+                if attempt:
+                    return "unknown"
+        return "unknown"
     directory = entry.get("chassis_dir")
     power = _chassis_power(Path(directory)) if directory else None
     return "unknown" if power is None else "on" if power else "off"
