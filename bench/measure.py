@@ -11,6 +11,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from fleet.stats import quantile
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that nothing listens on right now."""
@@ -30,11 +32,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def pct(values: Sequence[float], q: float) -> float:
-    """The q-quantile by nearest rank (index ⌊q·n⌋); NaN when there is nothing."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """The q-quantile as the fleet reports it (fleet/stats.py); NaN when there is nothing."""
+    value = quantile(values, q)
+    return float("nan") if value is None else value
 
 
 def wait_until(

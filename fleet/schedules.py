@@ -35,16 +35,15 @@ def _entry(session: Session, entry_id: int) -> ScheduleEntry:
     return row
 
 
-def checked_spec(spec: ScheduleEntryCreate, *, now: datetime | None = None) -> Spec:
-    """The entry's schedule, or FleetError (400) saying which expression is wrong and how.
-    It must fire again after `now` (default: the clock's now; the simulator gives its own)."""
+def checked_spec(spec: ScheduleEntryCreate) -> Spec:
+    """The entry's schedule, or FleetError (400) saying which expression is wrong and how."""
     try:
         start = parse(spec.cron, spec.timezone)
         end = parse(spec.end_cron, spec.timezone) if spec.end_cron else None
     except CronError as exc:
         raise FleetError(str(exc)) from None
     checked = Spec(start, end, float(spec.duration_s) if spec.duration_s else None)
-    if start.next_after(now or utcnow()) is None:
+    if start.next_after(utcnow()) is None:
         raise FleetError(f"cron {spec.cron!r} never fires again")
     return checked
 

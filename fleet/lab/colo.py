@@ -1202,7 +1202,7 @@ def _emulator_power(entry: Mapping[str, Any], credentials: tuple[str, str]) -> s
     if entry.get("protocol") == BmcProtocol.REDFISH.value:
         token = base64.b64encode(":".join(credentials).encode()).decode()
         request = urllib.request.Request(
-            f"{entry.get('url')}/redfish/v1/Systems/{entry.get('system_id')}",
+            _endpoint(entry),
             headers={"Authorization": f"Basic {token}", "Accept": "application/json"},
         )
         # Twice at most: one read can fail while the emulator is busy (seen once in CI right

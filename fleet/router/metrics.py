@@ -74,6 +74,7 @@ class RouterMetrics:
         self._recent: dict[str, _Window] = {}
         self._recent_ttft: dict[str, _Window] = {}
         self._known: set[str] = set()
+        self._depth_shown: dict[str, int] = {}  # per deployment: the waiting the gauges show
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.clock: Callable[[], float] = time.monotonic
         r.register(_P95(self))
@@ -112,8 +113,14 @@ class RouterMetrics:
         self._child(self.tokens, deployment).inc(tokens)
 
     def queue_depth(self, pool: DeploymentPool) -> None:
+        """The waiting gauges, left alone when they show 0 and nothing waits (most requests:
+        setting them costs a few microseconds)."""
+        waiting = len(pool.queue)
+        if not waiting and not self._depth_shown.get(pool.name, 1):
+            return
         for priority in PRIORITIES:
             self._child(self.queue, pool.name, priority).set(pool.queue.depth(priority))
+        self._depth_shown[pool.name] = waiting
 
     def inflight(self, pool: DeploymentPool, replica: Replica) -> None:
         self._child(self.replica_inflight, pool.name, replica.url).set(replica.inflight)

@@ -64,7 +64,6 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._report_refused = False
         self.polled = asyncio.Event()  # the first routing-table read is over (done or failed)
-        self._depth_shown: dict[str, int] = {}  # per deployment: the waiting the gauges show
         self.identity = f"{socket.gethostname()}:{os.getpid()}"
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -153,15 +152,6 @@ class Router:
         for pool in self.view.pools.values():
             pool.pump()  # a replica became ready: admit waiters
             self.metrics.pool(pool)
-            self._depth_shown[pool.name] = len(pool.queue)
-
-    def _queue_depth(self, pool: DeploymentPool) -> None:
-        """Set the waiting gauges, unless they show 0 and nothing waits (most requests: the
-        gauges cost a few microseconds)."""
-        waiting = len(pool.queue)
-        if waiting or self._depth_shown.get(pool.name, 1):
-            self.metrics.queue_depth(pool)
-            self._depth_shown[pool.name] = waiting
 
     # -- small endpoints ------------------------------------------------------------------
 
@@ -260,7 +250,7 @@ class Router:
         status = "error"
         try:
             for attempt in range(s.attempts):
-                self._queue_depth(pool)
+                self.metrics.queue_depth(pool)
                 try:
                     ticket = await pool.acquire(
                         cost, priority, exclude=frozenset(tried), timeout=s.queue_timeout_s
@@ -278,7 +268,7 @@ class Router:
                         503, str(exc), "service_unavailable", retry_after=s.retry_after_s
                     )
                 finally:
-                    self._queue_depth(pool)
+                    self.metrics.queue_depth(pool)
                 self.metrics.inflight(pool, ticket.replica)
                 try:
                     response = await self._forward(request, raw, pool, ticket, stream, started)

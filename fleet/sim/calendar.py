@@ -52,7 +52,6 @@ from fleet.calendar.plan import (
 )
 from fleet.errors import FleetError
 from fleet.models import ScheduleEntryCreate
-from fleet.schedules import check_fits, checked_spec
 from fleet.settings import Settings
 
 DEFAULT_START = datetime(2026, 12, 7, tzinfo=UTC)  # a Monday, 00:00 UTC
@@ -83,6 +82,10 @@ class Entry:
 def entries(deployment: str, models: Iterable[EntryModel], max_replicas: int) -> tuple[Entry, ...]:
     """Each entry checked as the API's create checks it; ValueError says which entry and what
     is wrong, in the API's words."""
+    # Here, not at the top: fleet.schedules brings the calendar service and the database layer,
+    # which a simulation without a calendar does not need at start-up.
+    from fleet.schedules import check_fits, checked_spec
+
     out: list[Entry] = []
     for i, model in enumerate(models):
         where = f"calendar[{i}]"

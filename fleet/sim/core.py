@@ -253,6 +253,11 @@ class Simulation:
         self.off_at.append(None)
         return url, engine
 
+    def _slot(self, engine: Engine) -> tuple[int, str]:
+        """The engine's index in `engine_list` (and `on_at`, `off_at`) and its GPU model."""
+        k = self._engine_index[id(engine)][2]
+        return k, self.engine_list[k][0]
+
     def _join(self, dep: _Dep, gpu: str, made: tuple[str, Engine]) -> None:
         """The engine serves: the router's pool gets it as a Replica (ready)."""
         url, engine = made
@@ -279,13 +284,10 @@ class Simulation:
     def _leave(self, dep: _Dep, url: str) -> None:
         """A drained engine (nothing in flight) leaves; its GPUs go back to the warm pool."""
         engine = dep.engines.pop(url)
-        del dep.pool.replicas[url]
-        del dep.pool.throughput[url]
-        dep.stats.pop(url, None)
+        self._out_of_pool(dep, url)
         dep.draining.discard(url)
-        _, _, k = self._engine_index[id(engine)]
+        k, gpu = self._slot(engine)
         self.off_at[k] = self.now
-        gpu = self.engine_list[k][0]
         self._to_warm(dep, url, gpu)
 
     # --- routing -----------------------------------------------------------------------------
@@ -472,15 +474,19 @@ class Simulation:
                 dep.last_down_at = now
         dep.target = decision.target
         self._apply(dep)
+        self._record(dep, decision.rule)
+
+    def _record(self, dep: _Dep, rule: str) -> None:
+        """A point of the scaling timeline: the target and the replicas now."""
         self.timeline.append(
             ScalePoint(
-                now,
+                self.now,
                 dep.spec.name,
                 dep.target,
                 dep.serving(),
                 len(dep.booting),
                 len(dep.draining),
-                decision.rule,
+                rule,
                 sum(dep.warm.values()),
                 floor=dep.floor,
             )
@@ -525,11 +531,11 @@ class Simulation:
         while excess > 0 and dep.booting:  # the latest boot is called off first
             url = next(reversed(dep.booting))
             engine = dep.booting.pop(url)
-            k = self._engine_index[id(engine)][2]
+            k, gpu = self._slot(engine)
             self.off_at[k] = now
             self.booting_s += engine.shape.gpus * (now - self._boot_at.pop(url, now))
             self._ready_at.pop(url, None)
-            self._to_warm(dep, url, self.engine_list[k][0])
+            self._to_warm(dep, url, gpu)
             excess -= 1
         if excess > 0:
             # fleet/placement.py's scale-in rule: the tightest rack first, then the fewest in
@@ -613,20 +619,7 @@ class Simulation:
         self.fired.extend(tick.fired)
         dep.target = tick.target
         self._apply(dep)
-        serving = dep.serving()
-        self.timeline.append(
-            ScalePoint(
-                self.now,
-                dep.spec.name,
-                dep.target,
-                serving,
-                len(dep.booting),
-                len(dep.draining),
-                "calendar",
-                sum(dep.warm.values()),
-                floor=dep.floor,
-            )
-        )
+        self._record(dep, "calendar")
 
     def _fits(self, dep: _Dep, gpu: str) -> bool:
         return cost_model.kv_capacity_blocks(dep.spec.shape(gpu)) >= 1
@@ -636,9 +629,8 @@ class Simulation:
             return  # called off (or an earlier boot's timer)
         del self._ready_at[url]
         engine = dep.booting.pop(url)
-        k = self._engine_index[id(engine)][2]
         self.booting_s += engine.shape.gpus * (self.now - self._boot_at.pop(url, self.now))
-        self._join(dep, self.engine_list[k][0], (url, engine))
+        self._join(dep, self._slot(engine)[1], (url, engine))
         self._pump(dep)
 
     # --- faults (fleet/sim/faults.py) ---------------------------------------------------------
@@ -704,7 +696,7 @@ class Simulation:
         remedy = escalate(
             action, fault, reboot_fault=last_fault, reboot_count=count, max_reboots=spec.max_reboots
         )
-        k = self._engine_index[id(engine)][2]
+        k, _ = self._slot(engine)
         if remedy.quarantine:
             self.fault_counts.quarantined += 1
             self.off_at[k] = self.now
@@ -722,7 +714,7 @@ class Simulation:
 
     def _restarted(self, dep: _Dep, url: str) -> None:
         engine = dep.restarting.pop(url)
-        self._join(dep, self.engine_list[self._engine_index[id(engine)][2]][0], (url, engine))
+        self._join(dep, self._slot(engine)[1], (url, engine))
         self._pump(dep)
 
     def _out_of_pool(self, dep: _Dep, url: str) -> None:

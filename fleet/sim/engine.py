@@ -170,14 +170,10 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------
 
-    def fits(self, prompt: int, max_tokens: int) -> bool:
-        blocks = cost_model.blocks_for(self.shape, prompt + max_tokens)
-        too_long = not self.chunked and prompt > self.shape.max_num_tokens
-        return blocks <= self.max_blocks and not too_long and max_tokens >= 1
-
     def add(self, r: SimRequest, now: float) -> bool:
         """Queue `r` at `now`. True when the engine's next event time changed."""
-        blocks = -(-(r.prompt + r.max_tokens) // self._tokens_per_block)  # as `fits`
+        # KV blocks for prompt + max_tokens (cost_model.blocks_for, inlined: once per request)
+        blocks = -(-(r.prompt + r.max_tokens) // self._tokens_per_block)
         if (
             blocks > self.max_blocks
             or (not self.chunked and r.prompt > self._max_tokens)

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from agents.config import AgentSettings
-from agents.fault_policy import Assessment, assess
+from agents.fault_policy import Assessment, Thresholds, assess
 from agents.telemetry.base import GpuSample, Snapshot, XidEvent
 from fleet.settings import Settings
 
@@ -47,7 +47,7 @@ DEFAULT_MIX: tuple[tuple[int, float], ...] = (
     (119, 0.05),
     (64, 0.05),
 )
-WINDOW_S = 600.0  # agents.fault_policy.Thresholds().window_s
+WINDOW_S = Thresholds().window_s  # the policy's window: older Xid snapshots are dropped
 
 
 @dataclass(frozen=True)
