@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from procs import alive
 from pydantic import SecretStr
 
 from agents.config import AgentSettings
@@ -135,17 +136,6 @@ def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Rig]:
 
 def engine_pids(rig: Rig) -> list[int]:
     return [r["pid"] for r in rig.state()["replicas"] if r["pid"]]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes.
-    with suppress(FileNotFoundError):
-        return " Z " not in Path(f"/proc/{pid}/stat").read_text().split(")", 1)[1][:3]
-    return False
 
 
 def test_four_replicas_of_two_gpus_start_serve_and_restart(rig: Rig) -> None:

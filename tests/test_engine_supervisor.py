@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from procs import alive
 
 from agents.engine.command import extra_llm_api_options, trtllm_serve_argv
 from agents.engine.supervisor import (
@@ -203,20 +204,11 @@ def _free_base_port(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie, killed but not yet reaped by its new parent, counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in {"Z", "X"}
-
-
 def _wait_gone(pids: list[int], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not [p for p in pids if _alive(p)], "processes outlived the supervisor"
+    assert not [p for p in pids if alive(p)], "processes outlived the supervisor"
 
 
 def _wait(

@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+from procs import alive
 from test_router_proxy import Router, engines, replica, stack, wait_for
 
 __all__ = ["stack"]  # the fixture, used by name
@@ -17,14 +18,6 @@ __all__ = ["stack"]  # the fixture, used by name
 
 def children(pid: int) -> set[int]:
     return {int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_two_workers_share_the_port_and_stop_together(stack: ExitStack, tmp_path: Path) -> None:
