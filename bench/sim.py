@@ -1,6 +1,7 @@
 """Simulator speed: simulated requests per wall second and the multiple of real time.
 
     .venv/bin/python bench/sim.py [--slice-s 60] [--slices 8] [--big-slice-s 1] [--skip-big]
+                                  [--mode both|native|pure]
 
 Case 1: a diurnal day on 1,000 GPUs (H100, Llama-3.1-8B FP8, one engine per GPU, max batch 64,
 estimated_completion_time) at a mean of 500 requests/s (±50 %: 750/s at the 14:00 peak, 250/s
@@ -29,17 +30,33 @@ deployment's replicas and its engine's iterations are timed by the cost model (d
 closed form between batch changes). One process, one core; wall time is time.perf_counter
 around `Simulation.run` (arrivals and setup are shown apart). The goal (issue): ≥ 100× real
 time for case 1.
+
+Modes: `native` runs the hot modules compiled with mypyc (fleet/sim/native.py; built first if
+this source version is not, and the build time is printed), `pure` the Python modules. `both`
+(the default) runs each in a process of its own, Python first as the baseline, and prints
+the ratio; the two must simulate the same requests to the same latency.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from fleet.sim import native
 from fleet.sim.arrivals import DAY_S, Diurnal, TraceSizes, poisson
-from fleet.sim.core import DeploymentSpec, Simulation, summarize
-from fleet.sim.engine import SimRequest
+
+if TYPE_CHECKING:
+    from fleet.sim.core import DeploymentSpec
+
+# The hot modules (fleet.sim.core, fleet.sim.engine, fleet.router.*) are imported in `run`,
+# after `--mode` has decided which build of them this process gets.
 
 PEAK_S = 14 * 3600.0
 
@@ -49,6 +66,9 @@ def _slice(
 ) -> tuple[int, float, float, float]:
     """One slice from an empty fleet: (requests, wall and CPU seconds of the run, latency
     p95)."""
+    from fleet.sim.core import Simulation, summarize
+    from fleet.sim.engine import SimRequest
+
     arrivals = poisson(curve, TraceSizes("conv"), slice_s, seed=1, start_s=start_s)
     rng = random.Random(2)
     reqs = [
@@ -63,13 +83,15 @@ def _slice(
 
 
 def _fleet(gpus: int, per_dep: int = 20) -> list[DeploymentSpec]:
+    from fleet.sim.core import DeploymentSpec
+
     return [
         DeploymentSpec(f"d{k}", "llama-3.1-8b", (("H100", per_dep),), max_batch_size=64)
         for k in range(gpus // per_dep)
     ]
 
 
-def day(slice_s: float, slices: int) -> None:
+def day(slice_s: float, slices: int) -> dict[str, float]:
     deps = _fleet(1000)
     curve = Diurnal(mean_rps=500.0, amplitude=0.5, peak_s=PEAK_S)
     print(
@@ -104,9 +126,13 @@ def day(slice_s: float, slices: int) -> None:
         f"~{day_wall / 60:.1f} min wall = ~{DAY_S / day_wall:.0f}× real time "
         f"(by CPU time: ~{DAY_S / day_cpu:.0f}×; goal: ≥ 100× on one core)"
     )
+    return {"rps": total_reqs / wall, "day_x": DAY_S / day_wall, "p95": p95}
 
 
-def big(slice_s: float) -> None:
+def big(slice_s: float) -> dict[str, float]:
+    from fleet.sim.core import Simulation
+    from fleet.sim.engine import SimRequest
+
     t0 = time.perf_counter()
     deps = _fleet(100_000)
     curve = Diurnal(mean_rps=50_000.0, amplitude=0.5, peak_s=PEAK_S)
@@ -129,6 +155,47 @@ def big(slice_s: float) -> None:
         f"a day at the peak's cost per request (extrapolated): "
         f"~{peak * curve.peak() / curve.mean_rps:.3f}×"
     )
+    return {"big_rps": len(reqs) / result.wall_s, "big_x": peak}
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    """This process's measurements, in the build `args.mode` names."""
+    if args.mode == "native":
+        started = time.perf_counter()
+        if not native.is_built():
+            native.build()
+            print(f"(compiled the hot modules in {time.perf_counter() - started:.0f} s)")
+        why_not = native.enable()
+        if why_not is not None:
+            raise SystemExit(f"bench: cannot run compiled: {why_not}")
+    print(f"--- {'compiled (mypyc)' if args.mode == 'native' else 'Python'} ---", flush=True)
+    figures = day(args.slice_s, args.slices)
+    if not args.skip_big:
+        figures |= big(args.big_slice_s)
+    return figures
+
+
+def both(argv: list[str]) -> None:
+    """Python, then compiled, each in a process of its own; then the ratio."""
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("pure", "native"):
+            out = Path(tmp) / f"{mode}.json"
+            cmd = [sys.executable, __file__, *argv, "--mode", mode, "--figures", str(out)]
+            subprocess.run(cmd, check=True)
+            got[mode] = json.loads(out.read_text())
+    pure, fast = got["pure"], got["native"]
+    if fast["p95"] != pure["p95"]:
+        raise SystemExit(f"bench: the builds disagree: p95 {fast['p95']} vs {pure['p95']}")
+    line = (
+        f"compiled vs Python (same requests, same latency p95): "
+        f"{fast['rps']:,.0f} vs {pure['rps']:,.0f} simulated req/s "
+        f"({fast['rps'] / pure['rps']:.2f}×); the day ~{fast['day_x']:.0f}× vs "
+        f"~{pure['day_x']:.0f}× real time"
+    )
+    if "big_rps" in fast:
+        line += f"; 100,000 GPUs {fast['big_rps'] / pure['big_rps']:.2f}×"
+    print(line)
 
 
 def main() -> None:
@@ -137,10 +204,17 @@ def main() -> None:
     ap.add_argument("--slices", type=int, default=8)
     ap.add_argument("--big-slice-s", type=float, default=1.0)
     ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--mode", choices=("both", "native", "pure"), default="both")
+    ap.add_argument("--figures", type=Path, help=argparse.SUPPRESS)  # JSON out (for `both`)
     args = ap.parse_args()
-    day(args.slice_s, args.slices)
-    if not args.skip_big:
-        big(args.big_slice_s)
+    if args.mode == "both":
+        argv = ["--slice-s", str(args.slice_s), "--slices", str(args.slices)]
+        argv += ["--big-slice-s", str(args.big_slice_s)] + ["--skip-big"] * args.skip_big
+        both(argv)
+        return
+    figures = run(args)
+    if args.figures is not None:
+        args.figures.write_text(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,10 @@ def _isolated_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         mp.delenv("FLEET_SECRET_KEY", raising=False)
         # Control loops run only where a test starts them (test_reconciler, test_leader).
         mp.setenv("FLEET_RUN_LOOPS", "false")
+        # An in-process `fleetctl simulate` would otherwise load the compiled simulator's
+        # modules (fleet/sim/native.py) for the rest of the session; test_sim_native runs
+        # them in processes of their own.
+        mp.setenv("FLEET_SIM_NATIVE", "off")
         get_settings.cache_clear()
         yield data_dir
     get_settings.cache_clear()

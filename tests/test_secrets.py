@@ -630,6 +630,12 @@ def _run_every_command(
     scenario = Path(__file__).resolve().parent.parent / "scenarios" / "mixed-code.yaml"
     cmd(("simulate",), str(scenario), "--compare", "round_robin,estimated_completion_time")
     cmd(("simulate",), str(tmp_path / "no-such-scenario.yaml"), code=1)
+    # Its compiler, where there is none (one line; tests/test_sim_native.py builds for real).
+    with monkeypatch.context() as env:
+        env.setenv("FLEET_SIM_NATIVE_DIR", str(tmp_path / "native"))
+        env.setenv("PATH", str(tmp_path / "no-bin"))
+        env.delenv("CC", raising=False)
+        cmd(("simulate-compile",), code=1)
     # The demo's own run is tests/test_demo.py (minutes); here its refusal of a bad directory.
     blocked = tmp_path / "not-a-directory"
     blocked.write_text("a file")

@@ -28,7 +28,7 @@ class NoReplica(Exception):
     """Nothing to send to (no replica, or none freed up in time): 503."""
 
 
-@dataclass
+@dataclass(init=False)
 class Ticket:
     """One request's booking on a replica, kept until release (the replica may have left the
     routing table by then: the books are closed on the object itself)."""
@@ -36,8 +36,24 @@ class Ticket:
     replica: Replica
     request: Request
     started: float
-    output_seen: int = 0  # tokens streamed so far
-    released: bool = False
+    output_seen: int  # tokens streamed so far
+    released: bool
+
+    # Written out, not generated: the simulator's compiled build (fleet/sim/native.py) makes
+    # one per request, and mypyc compiles only an __init__ it can see.
+    def __init__(
+        self,
+        replica: Replica,
+        request: Request,
+        started: float,
+        output_seen: int = 0,
+        released: bool = False,
+    ) -> None:
+        self.replica = replica
+        self.request = request
+        self.started = started
+        self.output_seen = output_seen
+        self.released = released
 
     def streamed(self, tokens: int) -> None:
         """Tokens seen in the stream: the expected remainder shrinks as they arrive."""

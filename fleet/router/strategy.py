@@ -75,11 +75,18 @@ class Replica:
         return self.prompt_inflight * prefill_weight + self.output_left
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Request:
     model: str
     prompt_tokens: int
     expected_output: float  # the deployment's running estimate, capped by max_tokens
+
+    # Written out, not generated: the simulator's compiled build (fleet/sim/native.py) makes
+    # one per request, and mypyc compiles only an __init__ it can see. (Frozen: set once.)
+    def __init__(self, model: str, prompt_tokens: int, expected_output: float) -> None:
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "expected_output", expected_output)
 
     def cost(self, prefill_weight: float = PREFILL_WEIGHT) -> float:
         return self.prompt_tokens * prefill_weight + self.expected_output

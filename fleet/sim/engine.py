@@ -73,16 +73,38 @@ class SimRequest:
     i0: int = 0  # the engine's iteration count when its first token was written
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _Block:
     start: float
     end: float
     iters: int
-    prefill: Sequence[tuple[SimRequest, int]] = ()
-    run: bool = False  # decode-only run (may be cut)
-    u: float = 0.0  # first iteration's duration (runs)
-    v: float = 0.0  # growth per iteration (runs)
-    lin: float = 0.0  # u - v/2 (runs: S(k) = v/2·k² + lin·k), for the estimate of k
+    prefill: Sequence[tuple[SimRequest, int]]
+    run: bool  # decode-only run (may be cut)
+    u: float  # first iteration's duration (runs)
+    v: float  # growth per iteration (runs)
+    lin: float  # u - v/2 (runs: S(k) = v/2·k² + lin·k), for the estimate of k
+
+    # Written out: mypyc compiles this one, while a dataclass's generated __init__ would stay
+    # interpreted (two blocks per request; fleet/sim/native.py).
+    def __init__(
+        self,
+        start: float,
+        end: float,
+        iters: int,
+        prefill: Sequence[tuple[SimRequest, int]] = (),
+        run: bool = False,
+        u: float = 0.0,
+        v: float = 0.0,
+        lin: float = 0.0,
+    ) -> None:
+        self.start = start
+        self.end = end
+        self.iters = iters
+        self.prefill = prefill
+        self.run = run
+        self.u = u
+        self.v = v
+        self.lin = lin
 
 
 class Engine:
