@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,16 +23,21 @@ ROOT = Path(__file__).resolve().parent.parent
 FLEETCTL = str(Path(sys.executable).with_name("fleetctl"))
 
 # Every request's story (its replica, its times, its fate) and the run's own report, for a
-# scenario cut to `cut_s` of arrivals, under the variants named; printed as JSON.
+# scenario cut to `cut` seconds of arrivals (Xids per GPU-hour set to `xids` when > 0), under
+# the variants named; printed as JSON.
 RUN = """
 import json, sys
 from fleet.sim import native
-mode, path, cut, variants = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4:]
+mode, path, variants = sys.argv[1], sys.argv[2], sys.argv[5:]
+cut, xids = float(sys.argv[3]), float(sys.argv[4])
 if mode == "native":
     why = native.enable()
     assert why is None, why
 from fleet.sim import scenario as sim
 loaded = sim.load(path)
+if xids > 0:
+    faults = loaded.faults.model_copy(update={"xids_per_gpu_hour": xids})
+    loaded = loaded.model_copy(update={"faults": faults})
 requests = [r for r in sim.generate(loaded) if r.arrival < cut]
 out = {"active": native.active(), "runs": {}}
 for variant in variants or [""]:
@@ -56,6 +62,7 @@ CASES = [
     (
         "mixed-code.yaml",
         1e9,
+        0.0,
         [
             "round_robin",
             "least_pending",
@@ -65,10 +72,12 @@ CASES = [
             "estimated_completion_time/static",
         ],
     ),
-    # racks, placement, Xids, self-drains, escalation, autoscaling into the spike (at 1,800 s)
-    ("racks-faults.yaml", 2700.0, []),
+    # racks, placement, autoscaling into the spike (at 1,800 s) and out of spares; Xids at a
+    # rate that, in 35 minutes, restarts an engine (losing streams), self-drains two replicas,
+    # power-cycles one and quarantines the other
+    ("racks-faults.yaml", 2100.0, 6.0, []),
     # the calendar's floor ahead of a launch
-    ("launch-calendar.yaml", 2700.0, []),
+    ("launch-calendar.yaml", 2100.0, 0.0, []),
 ]
 
 
@@ -93,10 +102,10 @@ def built() -> Path:
     return native.build_dir()
 
 
-def _run(mode: str, scenario: str, cut: float, variants: list[str]) -> dict[str, object]:
+def _run(mode: str, scenario: str, cut: float, xids: float, variants: list[str]) -> dict[str, Any]:
     path = str(ROOT / "scenarios" / scenario)
     done = subprocess.run(
-        [sys.executable, "-c", RUN, mode, path, str(cut), *variants],
+        [sys.executable, "-c", RUN, mode, path, str(cut), str(xids), *variants],
         env=_env(),
         capture_output=True,
         text=True,
@@ -104,19 +113,22 @@ def _run(mode: str, scenario: str, cut: float, variants: list[str]) -> dict[str,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, object] = json.loads(done.stdout)
+    result: dict[str, Any] = json.loads(done.stdout)
     return result
 
 
-@pytest.mark.parametrize(("scenario", "cut", "variants"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("scenario", "cut", "xids", "variants"), CASES, ids=[c[0] for c in CASES])
 def test_compiled_runs_give_the_same_requests_to_the_bit(
-    built: Path, scenario: str, cut: float, variants: list[str]
+    built: Path, scenario: str, cut: float, xids: float, variants: list[str]
 ) -> None:
-    fast = _run("native", scenario, cut, variants)
-    slow = _run("pure", scenario, cut, variants)
+    fast = _run("native", scenario, cut, xids, variants)
+    slow = _run("pure", scenario, cut, xids, variants)
     assert fast["active"] is True and slow["active"] is False
-    assert isinstance(fast["runs"], dict) and isinstance(slow["runs"], dict)
     assert fast["runs"].keys() == slow["runs"].keys()
+    report = " ".join(line for run in slow["runs"].values() for line in run["report"])
+    if xids:  # the fault paths ran
+        for path in ("1 engine restarts", "2 self-drains", "1 power cycles", "1 quarantined"):
+            assert path in report
     for variant, run in slow["runs"].items():
         assert len(run["requests"]) > 100
         assert any(r[5] != "nan" for r in run["requests"])  # requests finished
