@@ -35,6 +35,7 @@ from fleet.bmc.base import (
     Timeouts,
 )
 from fleet.bmc.ipmi import IpmiDriver
+from fleet.lab import ipmi_sim as ipmi_sim_module
 from fleet.lab.ipmi_sim import IpmiSim, free_udp_port
 from fleet.models import BmcProtocol, PowerState
 
@@ -405,6 +406,28 @@ def test_ipmi_sim_stop_reaps_the_process_group_and_cleans_up() -> None:
         assert other.running  # the other emulator is untouched
     finally:
         other.stop()
+
+
+def test_ipmi_sim_moves_to_a_fresh_port_when_its_port_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another process can bind the port between the kernel's pick and ipmi_sim's bind (CI
+    met it once): ipmi_sim exits "Address already in use" and the start tries a fresh port."""
+    taken = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # no SO_REUSEADDR, as a client's
+    taken.bind(("127.0.0.1", 0))
+    ports = [int(taken.getsockname()[1])]
+    real = ipmi_sim_module.free_udp_port
+    monkeypatch.setattr(ipmi_sim_module, "free_udp_port", lambda: ports.pop() if ports else real())
+    try:
+        sim = IpmiSim(PASSWORD).start()
+        try:
+            assert sim.port != taken.getsockname()[1]
+            assert sim.running  # and it answered ipmitool: start() waits for that
+        finally:
+            sim.stop()
+    finally:
+        taken.close()
+    assert not ports  # the taken port was tried first
 
 
 def test_ipmi_sim_rejects_passwords_it_cannot_hold() -> None:

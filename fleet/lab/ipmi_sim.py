@@ -8,9 +8,11 @@ call to a log (`<epoch> set power 0`). Each instance has its own temporary direc
 state, log), so several run at once.
 
 ipmi_sim facts this relies on (Debian `openipmi` 2.0.x):
-- it binds its UDP port with SO_REUSEADDR and does not fail when the port is taken, so two
-  emulators on one port would silently share it: ports are chosen by the kernel, reserved
-  in-process, and checked after start in /proc/net/udp;
+- it binds its UDP port with SO_REUSEADDR and does not fail when the port is held by another
+  SO_REUSEADDR socket, so two emulators on one port would silently share it: ports are chosen
+  by the kernel, reserved in-process, and checked after start in /proc/net/udp; where another
+  process took the port in between without SO_REUSEADDR, it exits with "Unable to bind to LAN
+  port: Address already in use": both count as a clash and the start retries on a fresh port;
 - passwords longer than 19 characters are not accepted by its LAN config;
 - it asks the chassis_control program for the power state on every read, and a
   `chassis power cycle` reaches the program as `set power 0` and, about 1 s later,
@@ -218,9 +220,13 @@ class IpmiSim:
         while True:
             assert self._proc is not None
             if self._proc.poll() is not None:
-                raise IpmiSimError(
+                tail = self._output_tail()
+                # A port the kernel handed us free can be bound by another process (a client's
+                # ephemeral UDP socket, without SO_REUSEADDR) before ipmi_sim binds it.
+                error = _PortClash if "Address already in use" in tail else IpmiSimError
+                raise error(
                     f"ipmi_sim exited with status {self._proc.returncode} before answering "
-                    f"on UDP port {self.port}: {self._output_tail()}"
+                    f"on UDP port {self.port}: {tail}"
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
