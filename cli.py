@@ -1259,7 +1259,7 @@ DECISION_COLUMNS = [
 def autoscaler_status(
     url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
 ) -> None:
-    """Per deployment: mode, target, serving, booting, and the signals it last saw."""
+    """Per deployment: mode, target, serving, booting, its signals now, and its last rule."""
     rows = _api(url, token).get("/api/v1/autoscaler")["results"]
     for row in rows:
         for key in ("queue_per_gpu", "kv_use", "p95_latency_s"):

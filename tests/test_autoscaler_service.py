@@ -13,7 +13,7 @@ from factories import add_rack, add_server, add_site
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet.autoscaler.service import History, autoscale_once
+from fleet.autoscaler.service import History, autoscale_once, status
 from fleet.models import Deployment, Event, Pool, ScalingDecision, Server
 from fleet.provisioning import set_paused
 from fleet.settings import Settings
@@ -169,3 +169,20 @@ def test_pinned_and_paused(db: Engine, deployment: str, session: Session) -> Non
     session.commit()
     run(db, history, T0 + timedelta(minutes=5), 30, queued=0)
     assert target(db, deployment) == 4  # paused: nothing moves
+
+
+def test_status_shows_the_signals_of_now_not_of_the_last_decision(
+    db: Engine, deployment: str
+) -> None:
+    history = History.new(3600)
+    at = run(db, history, T0, 45, queued=200)  # 25 per GPU: over the target, not yet for long
+    decision = decisions(db)[-1]
+    assert decision.inputs["queue_per_gpu"] == 25.0
+    load(db, at, queued_per_replica=16)  # the queue falls to 2 per GPU; no tick since
+    with Session(db) as session:
+        [row] = status(session, settings(), at)
+        assert row["signals"]["queue_per_gpu"] == 2.0
+        assert row["signals"]["serving_gpus"] == 16 and row["last_rule"] == decision.rule
+        # heartbeats older than three intervals say nothing about now
+        [row] = status(session, settings(), at + timedelta(seconds=16))
+        assert row["signals"]["queue_per_gpu"] is None

@@ -77,6 +77,9 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
 def get_box(request: Request) -> SecretBox:
     box: SecretBox = request.app.state.box
     return box

@@ -21,7 +21,14 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet.autoscaler.policy import DeploymentState, PolicyConfig, Signals, aggregate, decide
+from fleet.autoscaler.policy import (
+    DeploymentState,
+    PolicyConfig,
+    RouterLoad,
+    Signals,
+    aggregate,
+    decide,
+)
 from fleet.boot_times import measured_boots, p90
 from fleet.events import deployment_event
 from fleet.models import Deployment, ScalingDecision, Server, utcnow
@@ -84,27 +91,17 @@ def autoscale_once(
     at = now()
     epoch = at.timestamp()
     config = policy_config(settings)
-    fresh_after = at - timedelta(seconds=3 * settings.heartbeat_interval_s)
     recorded: list[ScalingDecision] = []
     with Session(engine, expire_on_commit=False) as session:
         if get_autopilot(session).paused:
             return []
         boots = measured_boots(session)  # once a tick, for every deployment
-        routers = router_loads(session, at - timedelta(seconds=settings.router_report_stale_s))
+        routers = fresh_router_loads(session, settings, at)
         for deployment in list(session.exec(select(Deployment))):
             servers = list(
                 session.exec(select(Server).where(Server.deployment_id == deployment.id))
             )
-            serving = [s for s in servers if s.state == S.SERVING]
-            fresh = [
-                {"gpu_count": s.gpu_count, "replicas": s.replicas}
-                for s in serving
-                if s.last_heartbeat_at is not None and s.last_heartbeat_at >= fresh_after
-            ]
-            load = routers.get(deployment.name)
-            signals = (
-                aggregate(fresh, epoch, load) if fresh else Signals(epoch, None, None, None, None)
-            )
+            signals = observe(servers, routers.get(deployment.name), settings, at)
             window = history.add(deployment.name, signals)
             state = _state(session, deployment, servers, settings, boots)
             decision = decide(state, window, epoch, config)
@@ -113,6 +110,27 @@ def autoscale_once(
                 recorded.append(row)
         session.commit()
     return recorded
+
+
+def fresh_router_loads(session: Session, settings: Settings, at: datetime) -> dict[str, RouterLoad]:
+    return router_loads(session, at - timedelta(seconds=settings.router_report_stale_s))
+
+
+def observe(
+    servers: list[Server], load: RouterLoad | None, settings: Settings, at: datetime
+) -> Signals:
+    """A deployment's signals at `at`: its serving servers' heartbeats of the last three
+    intervals (an older one says nothing about now), with the routers' load."""
+    fresh_after = at - timedelta(seconds=3 * settings.heartbeat_interval_s)
+    fresh = [
+        {"gpu_count": s.gpu_count, "replicas": s.replicas}
+        for s in servers
+        if s.state == S.SERVING
+        and s.last_heartbeat_at is not None
+        and s.last_heartbeat_at >= fresh_after
+    ]
+    epoch = at.timestamp()
+    return aggregate(fresh, epoch, load) if fresh else Signals(epoch, None, None, None, None)
 
 
 def _state(
@@ -216,9 +234,12 @@ def _record(
     return row
 
 
-def status(session: Session) -> list[dict[str, Any]]:
-    """Per deployment: target, serving, on the way, and the last decision's signals."""
+def status(session: Session, settings: Settings, at: datetime) -> list[dict[str, Any]]:
+    """Per deployment: target, serving, on the way, its signals as of `at` (what the next
+    tick will see: a decision is recorded only when the target or the rule changes, so the
+    last one's inputs may be minutes old), and the last decision's rule and reason."""
     out = []
+    routers = fresh_router_loads(session, settings, at)
     for deployment in session.exec(select(Deployment).order_by(col(Deployment.name))):
         servers = list(session.exec(select(Server).where(Server.deployment_id == deployment.id)))
         last = session.exec(
@@ -237,7 +258,20 @@ def status(session: Session) -> list[dict[str, Any]]:
                 "on_the_way": sum(s.state in (S.BOOTING, S.LOADING) for s in servers),
                 "last_rule": last.rule if last else None,
                 "last_reason": last.reason if last else None,
-                "signals": dict(last.inputs) if last else {},
+                "last_decision_at": last.at if last else None,
+                "signals": _signals_dict(
+                    observe(servers, routers.get(deployment.name), settings, at)
+                ),
             }
         )
     return out
+
+
+def _signals_dict(signals: Signals) -> dict[str, Any]:
+    return {
+        "queue_per_gpu": signals.queue_per_gpu,
+        "kv_use": signals.kv_use,
+        "p95_latency_s": signals.p95_latency_s,
+        "ttft_p95_s": signals.ttft_p95_s,
+        "serving_gpus": signals.serving_gpus,
+    }

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from fleet.agent_reports import Heartbeat, Registration, Reply, heartbeat, register
-from fleet.api.deps import AgentCaller, SessionDep, get_settings
-from fleet.settings import Settings
+from fleet.api.deps import AgentCaller, SessionDep, SettingsDep
 
 router = APIRouter(tags=["agent"], prefix="/agent")
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
 @router.post("/register")

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import Session, col, select
 
-from fleet.api.deps import Operator, SessionDep, Viewer
+from fleet.api.deps import Operator, SessionDep, SettingsDep, Viewer
 from fleet.autoscaler.service import status
 from fleet.errors import NotFoundError
 from fleet.models import Deployment, Event, ScalingDecision, utcnow
@@ -23,9 +23,11 @@ class ScaleRequest(BaseModel):
 
 
 @router.get("/autoscaler")
-def autoscaler_status(_: Viewer, session: SessionDep) -> dict[str, Any]:
-    """Per deployment: mode, target, serving, on the way, and the signals of its last decision."""
-    rows = status(session)
+def autoscaler_status(_: Viewer, session: SessionDep, settings: SettingsDep) -> dict[str, Any]:
+    """Per deployment: mode, target, serving, on the way, its signals now (from the last
+    heartbeats and router reports, as the autoscaler's next tick sees them), and its last
+    decision's rule and reason."""
+    rows = status(session, settings, utcnow())
     return {"count": len(rows), "results": rows}
 
 

@@ -6,15 +6,15 @@ import json
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Annotated, Any, cast
+from typing import Any, cast
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from fleet.api.deps import BoxDep, Operator, SessionDep, get_settings
+from fleet.api.deps import BoxDep, Operator, SessionDep, SettingsDep
 from fleet.crypto import SecretBox
 from fleet.models import Pool
 from fleet.power_control import Action, PowerReport, load_servers, power, verify
@@ -23,7 +23,6 @@ from fleet.settings import Settings
 from fleet.states import ServerState
 
 router = APIRouter(tags=["power"])
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 MAX_BULK = 10_000
 
 

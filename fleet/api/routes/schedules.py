@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Query, status
+from fastapi import APIRouter, Query, status
 
 from fleet import schedules as service
-from fleet.api.deps import Operator, SessionDep, Viewer, get_settings
+from fleet.api.deps import Operator, SessionDep, SettingsDep, Viewer
 from fleet.models import ScheduleEntryCreate, as_utc
-from fleet.settings import Settings
 
 router = APIRouter(prefix="/schedules", tags=["calendar"])
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 Count = Query(default=10, ge=1, le=service.MAX_PREVIEW)
 Start = Query(default=None, description="preview from here (ISO 8601; UTC if no offset)")
 
