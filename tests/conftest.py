@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 import sqlalchemy as sa
@@ -177,3 +177,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent when xdist is not loaded
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N` (as `./run test` runs): the tests that run whole worlds stay one at a time."""
+    if config.getvalue("dist") != "load":
+        return None  # an explicit --dist keeps xdist's own scheduler
+    from workers import OneAtATimeScheduling
+
+    return OneAtATimeScheduling(config, log)
