@@ -14,7 +14,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -268,10 +268,4 @@ def status(session: Session, settings: Settings, at: datetime) -> list[dict[str,
 
 
 def _signals_dict(signals: Signals) -> dict[str, Any]:
-    return {
-        "queue_per_gpu": signals.queue_per_gpu,
-        "kv_use": signals.kv_use,
-        "p95_latency_s": signals.p95_latency_s,
-        "ttft_p95_s": signals.ttft_p95_s,
-        "serving_gpus": signals.serving_gpus,
-    }
+    return {k: v for k, v in asdict(signals).items() if k != "at"}
