@@ -223,6 +223,9 @@ class ServerBase(SQLModel):
     bmc_port: int = Field(ge=1, le=65535)
     bmc_username: str = Field(max_length=100, min_length=1)
     bmc_system_id: str | None = Field(default=None, max_length=255)
+    # Redfish over plain HTTP (no TLS: the password travels in clear) only when the inventory
+    # says so for this server; the virtual colo's emulators do.
+    bmc_plain_http: bool = Field(default=False, sa_column_kwargs={"server_default": sa.false()})
     gpu_model: str = Field(max_length=32, index=True)
     gpu_count: int = Field(ge=0, le=64)
     gpu_memory_mib: int = Field(ge=0)
@@ -269,6 +272,8 @@ class Server(ServerBase, table=True):
     # and its fault policy's repair action and reasons. Observations, like the fields above.
     agent_version: str | None = Field(default=None, max_length=32)
     agent_url: str | None = Field(default=None, max_length=255)
+    # Ciphertext of the key the agent's local API asks of the fleet (sent at registration).
+    agent_api_key_encrypted: str | None = Field(default=None, max_length=1000)
     agent_registered_at: datetime | None = _ts(default=None)
     health_action: str | None = Field(default=None, max_length=32)
     health_reasons: list[dict[str, Any]] = _json(list)
@@ -554,6 +559,8 @@ class ApiToken(SQLModel, table=True):
     server_id: int | None = Field(default=None, foreign_key="server.id")
     created_at: datetime = _ts(default_factory=utcnow)
     revoked_at: datetime | None = _ts(default=None)
+    # None: never expires. An expired token answers 401 like a revoked one.
+    expires_at: datetime | None = _ts(default=None)
 
 
 class Autopilot(SQLModel, table=True):
