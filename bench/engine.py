@@ -24,7 +24,7 @@ core, the figures measure Python, not the model.
 Measured: output tokens/s over the window (tokens whose event arrived in it), inter-token
 latency p50/p95 (gaps between consecutive events of one request, both in the window), TTFT p50
 (requests sent in the window). Model: agents.engine.cost_model steady state for the same mix
-(effective_lengths). Published (HARDWARE.md; perf-overview.md, v0.17): shown beside the nearest
+(effective_lengths). Published (docs/hardware.md; perf-overview.md, v0.17): shown beside the nearest
 case, with what it was measured on. Never fails on timing.
 """
 
@@ -55,7 +55,7 @@ GPUS = ("H100", "L40S")
 CONCURRENCY = (1, 8, 64)
 MODEL = "llama-3.1-8b"
 
-# HARDWARE.md, from TensorRT-LLM perf-overview.md (v0.17): FP8 max-throughput output tokens/s
+# docs/hardware.md, from TensorRT-LLM perf-overview.md (v0.17): FP8 max-throughput output tokens/s
 # per GPU, by input/output length; and latency under load (Triton backend, BF16, 467 in / 256
 # out) for 8B on H100: mean TTFT 23 / 30 ms and ITL 8 / 11 ms at 2 / 16 requests/s, which by
 # Little's law is about 4 / 45 requests in flight.
@@ -300,7 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
 
     print()
-    print("Llama-3.1-8B FP8, one GPU: stand-in (measured) | cost model | published (HARDWARE.md)")
+    print(
+        "Llama-3.1-8B FP8, one GPU: stand-in (measured) | cost model | published (docs/hardware.md)"
+    )
     header = (
         f"{'case':<11} {'tok/s meas':>10} {'model':>8} {'ratio':>6} | "
         f"{'ITL mean':>8} {'p50':>5} {'p95':>6} {'model':>6} | {'TTFT p50':>8} | "

@@ -1,4 +1,4 @@
-"""GPU models the fleet knows, with published figures (shared HARDWARE.md, vendor datasheets).
+"""GPU models the fleet knows, with published figures (docs/hardware.md, vendor datasheets).
 
 An inventory may add models of its own (`gpu_models:`); a server whose GPU model is in neither
 is rejected, because placement, power and the engine cost model all need these numbers.

@@ -1,4 +1,4 @@
-"""The engine cost model against the figures it is meant to reproduce (HARDWARE.md, copied here).
+"""The engine cost model against the figures it is meant to reproduce (docs/hardware.md).
 
 Published: TensorRT-LLM docs/source/performance/perf-overview.md (v0.17) and NVIDIA datasheets;
 "derived": the hardware notes' own arithmetic with the same formula.

@@ -65,7 +65,7 @@ def gpu(snapshot: Snapshot, index: int) -> GpuSample:
 
 # -- realistic values ------------------------------------------------------------------------
 
-# Expected figures from /work/shared/HARDWARE.md (A100: our assumption, see simulated.py).
+# Expected figures from docs/hardware.md (A100: our assumption, see simulated.py).
 SPECS = {
     "H100": ("NVIDIA H100 80GB HBM3", 81_559, 700.0, (67.0, 73.0)),
     "H200": ("NVIDIA H200", 143_771, 700.0, (73.0, 79.0)),

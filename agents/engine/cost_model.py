@@ -1,10 +1,9 @@
 """Per-iteration cost model of a TensorRT-LLM engine, for the stand-in and the simulator.
 
 Pure: plain data in, numbers out; no clock, no I/O. The formula and every hardware figure come
-from the project's hardware notes (HARDWARE.md, "A per-iteration cost model that reproduces those
-tables", itself derived from NVIDIA's published specifications and TensorRT-LLM's
-`docs/source/performance/perf-overview.md`, v0.17). For a tensor-parallel group of T GPUs one
-continuous-batching iteration takes
+from docs/hardware.md ("The per-iteration cost model", itself derived from NVIDIA's published
+specifications and TensorRT-LLM's `docs/source/performance/perf-overview.md`, v0.17). For a
+tensor-parallel group of T GPUs one continuous-batching iteration takes
 
     t_iter = t_fix + t_TP + (W/T + KV_read/T) / (0.8·BW) + 2·(P/T)·(B_decode + N_prefill) / (0.6·F)
 
@@ -50,8 +49,8 @@ KIB = 2**10
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """One GPU model. Figures from HARDWARE.md, "GPUs" (NVIDIA datasheets; usable memory as NVML
-    reports it)."""
+    """One GPU model. Figures from docs/hardware.md, "GPUs" (NVIDIA datasheets; usable memory
+    as NVML reports it)."""
 
     name: str
     memory_spec_gb: float
@@ -69,7 +68,7 @@ class GpuSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model. Shapes from Meta's published config.json; KV bytes per token from HARDWARE.md
+    """One model. Shapes from Meta's published config.json; KV bytes per token from docs/hardware.md
     (2 · layers · kv_heads · head_dim · bytes)."""
 
     name: str
@@ -154,15 +153,16 @@ MODELS: dict[str, ModelSpec] = {
     ),
 }
 
-T_FIX_S = 1.5e-3  # per-iteration fixed cost (launches, sampling, scheduling): HARDWARE.md 1.5-2 ms
-BW_EFFICIENCY = 0.8  # HARDWARE.md: 0.8 · BW
-FLOPS_EFFICIENCY = 0.6  # HARDWARE.md: 0.6 · F
+T_FIX_S = 1.5e-3  # per-iteration fixed cost (launches, sampling): docs/hardware.md 1.5-2 ms
+BW_EFFICIENCY = 0.8  # docs/hardware.md: 0.8 · BW
+FLOPS_EFFICIENCY = 0.6  # docs/hardware.md: 0.6 · F
 RUNTIME_OVERHEAD_BYTES = 3 * GB  # per GPU; our assumption, see the module docstring
 TOKENS_PER_BLOCK = 32  # TensorRT-LLM's default tokens_per_block
-NVME_BYTES_PER_S = 7 * GB  # HARDWARE.md: 145 GB from a local NVMe stripe in ≈ 20 s cold
+NVME_BYTES_PER_S = 7 * GB  # docs/hardware.md: 145 GB from a local NVMe stripe in ≈ 20 s cold
 
-# α per all-reduce, from HARDWARE.md's t_TP for 70B TP4: 8 ms over NVLink, about 70 ms more over
-# PCIe; 70B TP4 runs 2·80 all-reduces at ring factor 2·3/4 = 1.5 (see the module docstring).
+# α per all-reduce, from docs/hardware.md's t_TP for 70B TP4: 8 ms over NVLink, about 70 ms
+# more over PCIe; 70B TP4 runs 2·80 all-reduces at ring factor 2·3/4 = 1.5 (see the module
+# docstring).
 _ALLREDUCES_70B_TP4 = 2 * 80 * 1.5
 ALLREDUCE_S: dict[Interconnect, float] = {
     "nvlink": 8e-3 / _ALLREDUCES_70B_TP4,
@@ -235,7 +235,7 @@ def weights_bytes(shape: EngineShape) -> int:
 
 
 def load_seconds(shape: EngineShape) -> float:
-    """Weights from a local NVMe stripe, cold (HARDWARE.md: ≈ 7 GB/s): 8B FP8 ≈ 1.1 s."""
+    """Weights from a local NVMe stripe, cold (docs/hardware.md: ≈ 7 GB/s): 8B FP8 ≈ 1.1 s."""
     return weights_bytes(shape) / NVME_BYTES_PER_S
 
 

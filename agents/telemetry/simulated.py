@@ -83,7 +83,7 @@ class GpuModel:
     max_operating_temp_c: float
 
 
-# Memory, TDP and idle power: /work/shared/HARDWARE.md ("GPUs" table). Temperatures and
+# Memory, TDP and idle power: docs/hardware.md ("GPUs" table). Temperatures and
 # thresholds are typical values, an assumption (no published per-model table): idle 30-35 °C,
 # ~72 °C at full load on a well-cooled server, slowdown 87 / shutdown 92 / max operating 85 °C.
 MODELS: dict[str, GpuModel] = {
@@ -121,8 +121,8 @@ MODELS: dict[str, GpuModel] = {
         shutdown_temp_c=95.0,
         max_operating_temp_c=89.0,
     ),
-    # A100 SXM4 80GB: not in HARDWARE.md, so every figure here is an assumption: 81,920 MiB spec,
-    # 81,251 MiB usable (as nvidia-smi reports on R5xx drivers), 400 W TDP, idle ~50-60 W.
+    # A100 SXM4 80GB: not in docs/hardware.md, so every figure here is an assumption: 81,920 MiB
+    # spec, 81,251 MiB usable (as nvidia-smi reports on R5xx drivers), 400 W TDP, idle ~50-60 W.
     "A100": GpuModel(
         name="NVIDIA A100-SXM4-80GB",
         memory_total_mib=81_251,

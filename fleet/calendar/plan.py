@@ -4,7 +4,7 @@ An entry opens a window at each firing T of its start expression (the scheduled 
 its end (the end expression's next firing after T, or T + a duration). While a window is open
 the entry's minimum is a floor under the autoscaler's target for its deployment.
 
-Bare metal needs 10–20 minutes from power-on to serving (HARDWARE.md), so a window *fires* one
+Bare metal needs 10–20 minutes from power-on to serving (docs/hardware.md), so a window *fires* one
 lead time early: the p90 of the measured boot-to-ready times of the GPU models it may boot (a
 configured default for a model never measured). The service ticks every `tick_s`; an entry
 fires at the first tick at or after T − lead − tick, so its boots start in

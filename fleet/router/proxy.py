@@ -2,9 +2,9 @@
 
 The server is aiohttp's. Forwarding goes through `upstream.py`, a small keep-alive HTTP/1.1
 client on asyncio protocols and httptools: on this machine an httpx-based proxy measured ten
-times slower than an aiohttp one (PERFORMANCE.md), and aiohttp's ClientSession was still about
-half of the router's CPU per request (bench/router_overhead.py). aiohttp's ClientSession
-remains for the polls and the load reports.
+times slower than an aiohttp one (docs/performance.md), and aiohttp's ClientSession was still
+about half of the router's CPU per request (bench/router_overhead.py). aiohttp's
+ClientSession remains for the polls and the load reports.
 
 Per request: the body is read once and forwarded unchanged; `model` selects the deployment;
 `x-fleet-priority: interactive|batch` (default interactive) its class in the waiting room. The

@@ -74,7 +74,7 @@ class AutoscaleSpec:
     boot: BootTime = BootTime()
     # Loading the model after the boot: None: inside `boot` (the default). With `load`, a spare
     # without the model on its disk loads in `load`, one with it (racks' `cached`) in
-    # `load_cached` (HARDWARE.md: ~20 s for 145 GB from a local NVMe stripe).
+    # `load_cached` (docs/hardware.md: ~20 s for 145 GB from a local NVMe stripe).
     load: BootTime | None = None
     load_cached: BootTime = BootTime(20.0)
     sla_p95_s: float = 30.0

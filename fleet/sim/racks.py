@@ -14,7 +14,7 @@ commit: `max_w` for a server that is on (booting, serving, draining, rebooting),
 for one that is off (fleet/power.py's rule). A spare is one server for one replica, so its
 GPUs are the deployment's `tp_size` (as everywhere in the simulator).
 
-Server power defaults (`SERVER_POWER`, per GPU, watts) come from ../shared/HARDWARE.md's
+Server power defaults (`SERVER_POWER`, per GPU, watts) come from docs/hardware.md's
 figures as the demo inventory uses them (bench/gen_inventory.py): a DGX-class H100/H200 server
 is 10.2 kW maximum for 8 GPUs; a 4 × L40S server is quoted near 2.8 kW; standby (off, BMC
 only) has no published figure — 90 W and 40 W per server are ASSUMED.
