@@ -31,6 +31,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 
 def _typer(help: str, name: str | None = None, *, no_args_is_help: bool = True) -> typer.Typer:
@@ -119,8 +120,21 @@ def handled(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {_printable(message, one_line=True)}", err=True)
     raise typer.Exit(1) from None
+
+
+# Text from the service or a file (event messages, reasons, warnings, errors) may hold terminal
+# escape sequences (ANSI/OSC: retitle the terminal, rewrite what was printed, fake a link):
+# whatever this CLI prints of it goes through _printable. JSON output escapes them instead.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _printable(text: object, *, one_line: bool = False) -> str:
+    """`text` without control characters (tab and newline kept, or made spaces: a line of
+    its own must not print a second one)."""
+    clean = _CONTROL.sub("", str(text))
+    return clean.replace("\n", " ").replace("\t", " ") if one_line else clean
 
 
 def _one_line(text: str) -> str:
@@ -156,6 +170,8 @@ def _database_password() -> str | None:
 
 def _http_error(exc: httpx.HTTPError) -> str:
     url = str(exc.request.url) if exc.request is not None else "the fleet service"
+    if isinstance(exc, httpx.ConnectError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return f"{url}: TLS certificate verify failed (see --ca-bundle / FLEET_CA_BUNDLE)"
     if isinstance(exc, httpx.ConnectError):
         return f"cannot reach {url}: connection refused (is `fleetctl serve` running? see --url)"
     if isinstance(exc, httpx.TimeoutException):
@@ -167,10 +183,37 @@ def _http_error(exc: httpx.HTTPError) -> str:
 # The HTTP client
 
 
+# The CA bundle the service's certificate is verified against (default: the system's CAs): a
+# root option, `fleetctl --ca-bundle ca.pem racks`, or FLEET_CA_BUNDLE for every command.
+_ca_bundle: Path | None = None
+
+
+@app.callback()
+def _root(
+    ca_bundle: Annotated[
+        Path | None,
+        typer.Option(
+            "--ca-bundle",
+            envvar="FLEET_CA_BUNDLE",
+            help="CA certificates to verify an https:// --url against (default: the system's).",
+        ),
+    ] = None,
+) -> None:
+    global _ca_bundle
+    _ca_bundle = ca_bundle
+
+
 class Api:
     def __init__(self, url: str, token: str | None, timeout: float = 60.0) -> None:
+        from fleet.tls import client_context
+
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self._client = httpx.Client(
+            base_url=url.rstrip("/"),
+            headers=headers,
+            timeout=timeout,
+            verify=client_context(_ca_bundle),
+        )
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._client.request(method, path, **kwargs)
@@ -246,7 +289,7 @@ def _show(
         table.add_column("field", style="bold")
         table.add_column("value")
         for key, value in rows.items():
-            table.add_row(key, _cell(value))
+            table.add_row(Text(_printable(key)), Text(_cell(value)))
         console.print(table)
         return
     assert columns is not None
@@ -255,11 +298,12 @@ def _show(
         justify = "right" if header.endswith(("W", "#")) else "left"
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
     for row in rows:
-        table.add_row(*(_cell(row.get(key)) for key, _ in columns))
+        table.add_row(*(Text(_cell(row.get(key))) for key, _ in columns))
     console.print(table)
 
 
 def _cell(value: Any) -> str:
+    """A table cell's text: printable, and set as plain text (never read as rich markup)."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -270,7 +314,7 @@ def _cell(value: Any) -> str:
         return f"{value:.3g}"
     if isinstance(value, list | dict):
         return json.dumps(value) if value else "-"
-    return str(value)
+    return _printable(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,6 +358,22 @@ def agent_run(
         Path | None,
         typer.Option("--fault-file", help="Simulated backend: faults to inject (JSON)."),
     ] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option("--tls-cert", help="Local API https [FLEET_AGENT_TLS_CERT].")
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option("--tls-key", help="Its key [FLEET_AGENT_TLS_KEY].")
+    ] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-client-ca", help="Require client certs from this CA [FLEET_AGENT_TLS_CLIENT_CA]."
+        ),
+    ] = None,
+    ca_bundle: Annotated[
+        Path | None,
+        typer.Option("--ca-bundle", help="Verify the fleet against [FLEET_AGENT_CA_BUNDLE]."),
+    ] = None,
 ) -> None:
     """Run the agent (token from FLEET_AGENT_TOKEN; every setting as FLEET_AGENT_*)."""
     import logging
@@ -328,6 +388,10 @@ def agent_run(
         "telemetry": telemetry,
         "listen_port": port,
         "sim_fault_file": fault_file,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "tls_client_ca": tls_client_ca,
+        "ca_bundle": ca_bundle,
     }
     # Options given win over FLEET_AGENT_* (BaseSettings reads the environment for the rest).
     options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
@@ -363,10 +427,22 @@ def router_run(
         int | None,
         typer.Option(help="Router processes sharing the port [FLEET_ROUTER_WORKERS]."),
     ] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option("--tls-cert", help="Serve https [FLEET_ROUTER_TLS_CERT].")
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option("--tls-key", help="Its key [FLEET_ROUTER_TLS_KEY].")
+    ] = None,
+    ca_bundle: Annotated[
+        Path | None,
+        typer.Option(
+            "--ca-bundle", help="Verify the fleet, agents, engines [FLEET_ROUTER_CA_BUNDLE]."
+        ),
+    ] = None,
 ) -> None:
     """Run the router (token from FLEET_ROUTER_TOKEN; every setting as FLEET_ROUTER_*)."""
     from fleet.router.config import RouterSettings
-    from fleet.router.main import bind, run
+    from fleet.router.main import bind, run, server_tls
 
     given = {
         "fleet_url": fleet_url,
@@ -375,14 +451,18 @@ def router_run(
         "strategy": strategy,
         "table_file": table,
         "workers": workers,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "ca_bundle": ca_bundle,
     }
     options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     settings = RouterSettings(**options)
     if settings.table_file is None and settings.token is None:
         raise CliError("no token: set FLEET_ROUTER_TOKEN (a viewer token is enough) or --table")
+    scheme = "https" if server_tls(settings) is not None else "http"
     sock = bind(settings)
     typer.echo(
-        f"router on http://{settings.listen_host}:{sock.getsockname()[1]}, "
+        f"router on {scheme}://{settings.listen_host}:{sock.getsockname()[1]}, "
         f"strategy {settings.strategy}"
         + (f", {settings.workers} workers" if settings.workers > 1 else ""),
         err=True,
@@ -429,9 +509,13 @@ def token_create(
     server: Annotated[
         str | None, typer.Option("--server", help="Agent tokens: the server.")
     ] = None,
+    expires_in: Annotated[
+        str | None,
+        typer.Option("--expires-in", help="Lifetime: 90d, 12h or 30m (default: never expires)."),
+    ] = None,
 ) -> None:
     """Create a token and print it (the only time it is shown)."""
-    from fleet.auth import create_token
+    from fleet.auth import create_token, parse_lifetime
     from fleet.db import session_scope
     from fleet.models import Role
 
@@ -439,8 +523,11 @@ def token_create(
         parsed = Role(role)
     except ValueError:
         raise CliError(f"--role must be one of {', '.join(r.value for r in Role)}") from None
+    lifetime = parse_lifetime(expires_in) if expires_in is not None else None
     with session_scope(_engine()) as session:
-        token = create_token(session, name or f"{parsed.value}-token", parsed, server)
+        token = create_token(
+            session, name or f"{parsed.value}-token", parsed, server, expires_in=lifetime
+        )
     typer.echo(token)
 
 
@@ -450,6 +537,8 @@ TOKEN_COLUMNS = [
     ("role", "role"),
     ("server", "server"),
     ("created_at", "created"),
+    ("expires_at", "expires"),
+    ("expired", "expired"),
     ("revoked_at", "revoked"),
 ]
 
@@ -491,6 +580,12 @@ def serve(
     admin_token: Annotated[
         bool, typer.Option("--admin-token", help="Create an admin token and print it.")
     ] = False,
+    tls_cert: Annotated[
+        Path | None, typer.Option("--tls-cert", help="Serve https: certificate [FLEET_TLS_CERT].")
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option("--tls-key", help="Serve https: its key [FLEET_TLS_KEY].")
+    ] = None,
 ) -> None:
     """Run the fleet service (API, health, metrics)."""
     import logging
@@ -503,8 +598,19 @@ def serve(
     from fleet.inventory import import_inventory
     from fleet.inventory.schema import parse_inventory
     from fleet.models import Role
+    from fleet.tls import check_server_pair, client_context
 
     settings = _settings()
+    # TLS files that do not load are refused before the database is touched (and the fleet's
+    # client certificate for agents now, rather than at every probe).
+    tls_cert, tls_key = tls_cert or settings.tls_cert, tls_key or settings.tls_key
+    if (tls_cert is None) != (tls_key is None):
+        raise CliError("--tls-cert and --tls-key go together (FLEET_TLS_CERT, FLEET_TLS_KEY)")
+    if tls_cert is not None and tls_key is not None:
+        check_server_pair(tls_cert, tls_key)
+    if settings.tls_ca_bundle is not None or settings.tls_client_cert is not None:
+        client_context(settings.tls_ca_bundle, settings.tls_client_cert, settings.tls_client_key)
+    scheme = "https" if tls_cert is not None else "http"
     # Before logging is set up, so that a refusal (un-migrated database, missing key) is one line.
     app_ = create_app(settings)
     logging.basicConfig(
@@ -524,15 +630,59 @@ def serve(
         if settings.is_embedded
         else "database from FLEET_DATABASE_URL"
     )
-    typer.echo(f"Fleet {_version()} serving at http://{host}:{port}  ({where})")
+    typer.echo(f"Fleet {_version()} serving at {scheme}://{host}:{port}  ({where})")
     if admin_token:
         with db.session_scope(engine) as session:
             token = create_token(session, "serve-admin", Role.ADMIN, actor="fleetctl:serve")
         typer.echo(f"admin token: {token}")
         typer.echo(
-            f"try:  export FLEET_URL=http://{host}:{port} FLEET_TOKEN={token}; fleetctl racks"
+            f"try:  export FLEET_URL={scheme}://{host}:{port} FLEET_TOKEN={token}; fleetctl racks"
         )
-    uvicorn.run(app_, host=host, port=port, log_level=settings.log_level.lower(), access_log=False)
+    config = uvicorn.Config(
+        app_,
+        host=host,
+        port=port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
+        # SIGTERM: in-flight requests get this long, then the lifespan stops the loops.
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    )
+    _serve_bounded(config, settings.shutdown_timeout_s)
+
+
+def _serve_bounded(config: Any, timeout_s: float) -> None:
+    """uvicorn's server with a watchdog from the first SIGTERM/SIGINT: a shutdown still running
+    `timeout_s` later (a request stuck in a worker thread, a loop in a BMC call) ends with
+    `os._exit(1)`, so that the process always ends within the bound."""
+    import gc
+    import os
+    import threading
+    from types import FrameType
+
+    import uvicorn
+
+    def watchdog() -> None:
+        time.sleep(timeout_s)
+        os.write(2, f"fleet: shutdown still running after {timeout_s:g} s: exiting\n".encode())
+        os._exit(1)
+
+    class BoundedServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                threading.Thread(target=watchdog, name="shutdown-watchdog", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    # Fewer, cheaper garbage collections: a full one walks every object with the GIL held,
+    # stalling the event loop (and /healthz) for 100-250 ms under load; what start-up built
+    # never becomes garbage (bench/heartbeats.py measures the difference).
+    gc.set_threshold(50_000, 20, 100)
+    gc.freeze()
+    server = BoundedServer(config)
+    server.run()
+    if not server.started:
+        raise SystemExit(3)  # what uvicorn.run exits with when startup fails
 
 
 def _version() -> str:
@@ -557,9 +707,11 @@ def _print_report(report: dict[str, Any], path: Path | str) -> None:
     if report["dry_run"]:
         for change in report["changes"]:
             fields = f" ({', '.join(change['fields'])})" if change["fields"] else ""
-            typer.echo(f"  {change['action']} {change['kind']} {change['name']}{fields}")
+            typer.echo(
+                _printable(f"  {change['action']} {change['kind']} {change['name']}{fields}")
+            )
     for warning in report["warnings"]:
-        typer.echo(f"warning: {warning}", err=True)
+        typer.echo(f"warning: {_printable(warning, one_line=True)}", err=True)
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -616,7 +768,7 @@ def inventory_validate(
     changes = len(report["changes"])
     typer.echo(f"{file}: valid; an import would make {changes} change{'s' if changes != 1 else ''}")
     for warning in report["warnings"]:
-        typer.echo(f"warning: {warning}", err=True)
+        typer.echo(f"warning: {_printable(warning, one_line=True)}", err=True)
 
 
 @inventory_app.command("export")
@@ -1009,7 +1161,8 @@ def _echo_event(row: dict[str, Any], output: Output) -> None:
         typer.echo(json.dumps(row, default=str))
         return
     change = f" {row['from_state']} → {row['to_state']}" if row.get("to_state") else ""
-    typer.echo(f"{row['at']}  {row['subject']}  {row['kind']}{change}  {row['message']}")
+    line = f"{row['at']}  {row['subject']}  {row['kind']}{change}  {row['message']}"
+    typer.echo(_printable(line, one_line=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1214,7 +1367,7 @@ def autopilot_pause(
 ) -> None:
     """Stop every automatic action (boots, drains, power cycles, returns)."""
     row = _api(url, token).request("POST", "/api/v1/autopilot/pause", json={"reason": reason})
-    typer.echo(f"autopilot paused: {row['reason']}")
+    typer.echo(f"autopilot paused: {_printable(row['reason'], one_line=True)}")
 
 
 @autopilot_app.command("resume")
@@ -1299,7 +1452,7 @@ def autoscaler_explain(
         f"{deployment}: {last['rule']} at {last['at']}: target {last['target_before']} → "
         f"{last['target_after']}"
     )
-    typer.echo(f"why: {last['reason']}")
+    typer.echo(f"why: {_printable(last['reason'], one_line=True)}")
     _show(last["inputs"], output, title="inputs")
 
 
@@ -1710,7 +1863,7 @@ def lab_status(lab_dir: LabDir = LAB_DIR, output: Out = Output.TABLE) -> None:
     _show(list(racks.values()), output, LAB_RACK_COLUMNS)
     for row in rows:
         if row["error"]:
-            typer.echo(f"note: {row['name']}: {row['error']}", err=True)
+            typer.echo(_printable(f"note: {row['name']}: {row['error']}", one_line=True), err=True)
 
 
 @lab_app.command("inject")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Backend = Literal["nvml", "dcgm", "simulated"]
@@ -21,8 +21,19 @@ class AgentSettings(BaseSettings):
     # The agent's own HTTP API (/healthz, /readyz, /state, /metrics): routers read it.
     listen_host: str = "127.0.0.1"
     listen_port: int = Field(default=9410, ge=0, le=65535)  # 0: any free port (tests)
-    # The URL the fleet and routers use to reach this agent (default: http://host:port).
+    # The URL the fleet and routers use to reach this agent (default: http(s)://host:port).
     advertise_url: str | None = Field(default=None, pattern=r"^https?://\S+$")
+    # TLS (docs/agent.md): the local API answers https with this certificate and key; with
+    # `tls_client_ca` it also requires a client certificate signed by that CA (the fleet's and
+    # the routers'). The fleet's own certificate is verified against `ca_bundle` (default: the
+    # system's CAs).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    ca_bundle: Path | None = None
+    # The bearer key the local API asks of callers of /probe and /faults (reads stay open); the
+    # agent sends it to the fleet at registration. Unset: a random one per start.
+    api_key: SecretStr | None = Field(default=None, min_length=16, max_length=256)
     telemetry: Backend = "nvml"
     dcgm_url: str = "http://127.0.0.1:9400/metrics"
     # Kernel log Xids complement NVML and DCGM (a GPU that fell off the bus, Xids from before
@@ -59,3 +70,11 @@ class AgentSettings(BaseSettings):
     # Self-drain (an unhealthy verdict or the fleet's "drain"): in-flight requests get this long
     # to finish before the engines are stopped.
     drain_deadline_s: float = Field(default=120.0, ge=0)
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> AgentSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("FLEET_AGENT_TLS_CERT and FLEET_AGENT_TLS_KEY go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("FLEET_AGENT_TLS_CLIENT_CA needs FLEET_AGENT_TLS_CERT and _KEY")
+        return self

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import re
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 from agents import AGENT_VERSION
 from agents.config import AgentSettings
@@ -87,9 +89,14 @@ class Agent:
         self.last_contact: float | None = None
         self.last_error: str | None = None
         self.advertise_url = settings.advertise_url
+        # The local API's key (/probe, /faults): configured, or random per start; the fleet
+        # learns it at (re)registration, so a restart with a new one costs nothing.
+        key = settings.api_key.get_secret_value() if settings.api_key else None
+        self.api_key = key or secrets.token_urlsafe(32)
         self.supervisor = supervisor
         self.drain: Drain | None = None
         self._failures = 0
+        self._refused_urls: list[str] = []
         self.next_report_at = 0.0  # report at once: register first
         self._reported: tuple[object, ...] | None = None
         self._wake = threading.Event()
@@ -246,6 +253,11 @@ class Agent:
             self.fleet_state = reply.get("state")
             self.last_contact = self.clock()
             self.last_error = None
+        refused = list(reply.get("refused_urls") or [])
+        if refused != self._refused_urls:  # said once per change, not every heartbeat
+            self._refused_urls = refused
+            for problem in refused:
+                log.error("the fleet will not route to %s (set engine_host)", problem)
 
     def _failed(self, error: str, *, refused: bool) -> float:
         self.counters.heartbeat_failures += 1
@@ -277,50 +289,55 @@ class Agent:
     def registration(self) -> dict[str, Any]:
         snapshot = self.latest()
         gpus = snapshot.gpus if snapshot else ()
-        return {
-            "server": self.settings.server,
-            "agent_version": AGENT_VERSION,
-            "agent_url": self.advertise_url,
-            "telemetry": self.telemetry.name,
-            "driver_version": snapshot.driver_version if snapshot else None,
-            "gpus": [
-                {
-                    "index": g.index,
-                    "uuid": g.uuid,
-                    "name": g.name,
-                    "memory_mib": g.memory_total_mib,
-                    "pci_bus_id": g.pci_bus_id,
-                }
-                for g in gpus
-                if not g.lost
-            ],
-        }
+        return printable(
+            {
+                "server": self.settings.server,
+                "agent_version": AGENT_VERSION,
+                "agent_url": self.advertise_url,
+                "agent_api_key": self.api_key,
+                "telemetry": self.telemetry.name,
+                "driver_version": snapshot.driver_version if snapshot else None,
+                "gpus": [
+                    {
+                        "index": g.index,
+                        "uuid": g.uuid,
+                        "name": g.name,
+                        "memory_mib": g.memory_total_mib,
+                        "pci_bus_id": g.pci_bus_id,
+                    }
+                    for g in gpus
+                    if not g.lost
+                ],
+            }
+        )
 
     def heartbeat(self) -> dict[str, Any]:
         snapshot = self.latest()
         with self._lock:
             assessment = self.assessment
         verdict = assessment.verdict if assessment else Verdict.DEGRADED
-        return {
-            "server": self.settings.server,
-            "verdict": verdict.value,
-            "action": (assessment.action if assessment else RepairAction.NONE).value,
-            "reasons": [
-                {
-                    "code": r.code,
-                    "gpu": r.gpu,
-                    "message": r.message[:500],
-                    "action": r.action.value,
-                    "verdict": r.verdict.value,
-                }
-                for r in (assessment.reasons if assessment else ())
-            ][:256],
-            "gpus": [_gpu_status(g, assessment) for g in (snapshot.gpus if snapshot else ())],
-            "snapshot_at": _iso(snapshot.at) if snapshot else None,
-            "draining": self.draining,
-            "ready": self.ready,
-            "replicas": [_replica_report(r) for r in self.replicas()],
-        }
+        return printable(
+            {
+                "server": self.settings.server,
+                "verdict": verdict.value,
+                "action": (assessment.action if assessment else RepairAction.NONE).value,
+                "reasons": [
+                    {
+                        "code": r.code,
+                        "gpu": r.gpu,
+                        "message": r.message[:500],
+                        "action": r.action.value,
+                        "verdict": r.verdict.value,
+                    }
+                    for r in (assessment.reasons if assessment else ())
+                ][:256],
+                "gpus": [_gpu_status(g, assessment) for g in (snapshot.gpus if snapshot else ())],
+                "snapshot_at": _iso(snapshot.at) if snapshot else None,
+                "draining": self.draining,
+                "ready": self.ready,
+                "replicas": [_replica_report(r) for r in self.replicas()],
+            }
+        )
 
     @property
     def draining(self) -> bool:
@@ -458,3 +475,25 @@ def _iso(epoch: float) -> str:
     from datetime import UTC, datetime
 
     return datetime.fromtimestamp(epoch, UTC).isoformat()
+
+
+# C0 (tab and newline included), DEL and C1: the fleet refuses them in every string it is sent
+# (fleet/api/edge.py), and a driver's Xid text or an engine's error can carry them.
+_T = TypeVar("_T")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(value: _T) -> _T:
+    """A report with every string's control characters replaced by spaces: one odd byte in a
+    reason must not get every heartbeat refused (and the server power cycled for silence)."""
+    return cast(_T, _printable(value))
+
+
+def _printable(value: object) -> object:
+    if isinstance(value, str):
+        return _CONTROL.sub(" ", value)
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,12 +25,16 @@ class FleetClient:
         token: str,
         timeout: float,
         transport: httpx.BaseTransport | None = None,
+        ca_bundle: Path | None = None,
     ) -> None:
+        # An https fleet is verified: against `ca_bundle` only when given, else the system's CAs.
+        verify = ssl.create_default_context(cafile=str(ca_bundle) if ca_bundle else None)
         self._client = httpx.Client(
             base_url=url.rstrip("/"),
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
             transport=transport,
+            verify=verify,
         )
 
     def register(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The agent's own HTTP API: /healthz, /readyz, /state, /metrics (and /faults for the stand-in).
+"""The agent's own HTTP API: /healthz, /readyz, /state, /metrics (open), and /probe and
+/faults (the simulated backend only), which need the agent's key.
 
 Starlette under uvicorn, on a socket bound before the server starts (port 0 picks a free one:
 the caller learns it at once). Routers and the fleet read this API; nothing here writes to the
@@ -7,10 +8,13 @@ fleet.
 
 from __future__ import annotations
 
+import hmac
 import json
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,6 +32,11 @@ from agents.fault_policy import Verdict
 
 _VERDICT_LEVEL = {Verdict.HEALTHY: 0, Verdict.DEGRADED: 1, Verdict.UNHEALTHY: 2}
 MIB = 1024 * 1024
+# /probe and /faults: bounded work per request (the fleet's probe is 16 tokens by default).
+MAX_PROBE_TOKENS = 256
+MAX_PROBE_PROMPT_CHARS = 2000
+MAX_FAULTS = 64
+MAX_BODY_BYTES = 64 * 1024
 
 
 class AgentCollector(Collector):
@@ -233,6 +242,10 @@ class AgentCollector(Collector):
 
 
 def build_app(agent: Agent) -> Starlette:
+    """Reads (/healthz, /readyz, /state, /metrics) are open: routers and Prometheus poll them.
+    /probe runs the model and /faults changes what the agent reports: both need the agent's
+    key (`Authorization: Bearer <key>`), which the fleet learns at registration."""
+    key = agent.api_key.encode()
     registry = CollectorRegistry()
     registry.register(AgentCollector(agent))
 
@@ -253,33 +266,44 @@ def build_app(agent: Agent) -> Starlette:
         return PlainTextResponse(generate_latest(registry).decode())
 
     async def faults(request: Request) -> Response:
-        """Fault injection into the SIMULATED backend (a stand-in): one fault or a list."""
-        inject = getattr(agent.telemetry, "inject", None)
-        if inject is None:
-            backend = agent.telemetry.name
-            detail = f"fault injection needs the simulated backend, not {backend}"
-            return JSONResponse({"detail": detail}, status_code=409)
-        from agents.telemetry.simulated import Fault
+        """Fault injection into the SIMULATED backend (the lab's stand-in): one fault or a
+        list. Never on real GPUs: an injected Xid 79 makes the fleet drain and power cycle."""
+        if not _authorized(request, key):
+            return _unauthorized()
+        from agents.telemetry.simulated import Fault, SimulatedTelemetry
 
+        telemetry = agent.telemetry
+        if not isinstance(telemetry, SimulatedTelemetry):
+            detail = (
+                "fault injection is for the lab: the simulated telemetry backend only, "
+                f"not {telemetry.name}"
+            )
+            return JSONResponse({"detail": detail}, status_code=403)
         try:
-            body: Any = await request.json()
+            body: Any = await _json_body(request)
             items = body if isinstance(body, list) else [body]
+            if len(items) > MAX_FAULTS:
+                raise ValueError(f"at most {MAX_FAULTS} faults at once, not {len(items)}")
             injected = [Fault.from_dict(item) for item in items]
-            for fault in injected:
-                inject(fault)
-            agent.wake()  # judge the GPUs now, not at the next sample
+        except _TooLarge as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=413)
         except (ValueError, TypeError, AttributeError) as exc:
             return JSONResponse({"detail": f"bad fault: {exc}"}, status_code=422)
+        for fault in injected:
+            telemetry.inject(fault)
+        agent.wake()  # judge the GPUs now, not at the next sample
         return JSONResponse({"injected": len(injected)})
 
     async def probe(request: Request) -> Response:
         """The fleet's inference-quality probe: the prompt on every ready replica, greedy
         decoding; the answers are compared by the fleet with the deployment's reference."""
+        if not _authorized(request, key):
+            return _unauthorized()
         try:
-            body = await request.json()
-            prompt = str(body["prompt"])
-            max_tokens = int(body.get("max_tokens", 16))
-        except (ValueError, KeyError, TypeError) as exc:
+            prompt, max_tokens = _probe_request(await _json_body(request))
+        except _TooLarge as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=413)
+        except ValueError as exc:
             return JSONResponse({"detail": f"bad probe: {exc}"}, status_code=422)
         model = agent.assignment.get("deployment") or "model"
         answers = []
@@ -302,6 +326,51 @@ def build_app(agent: Agent) -> Starlette:
     )
 
 
+class _TooLarge(Exception):
+    """A request body over MAX_BODY_BYTES (413)."""
+
+
+def _authorized(request: Request, key: bytes) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # compare_digest: the time taken says nothing about how much of the key was right.
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key)
+
+
+def _unauthorized() -> Response:
+    detail = "this needs the agent's key: Authorization: Bearer <FLEET_AGENT_API_KEY>"
+    return JSONResponse({"detail": detail}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _json_body(request: Request) -> Any:
+    """The JSON body, refused (_TooLarge) past MAX_BODY_BYTES before more is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _TooLarge(f"body over {MAX_BODY_BYTES} bytes")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_BODY_BYTES:
+            raise _TooLarge(f"body over {MAX_BODY_BYTES} bytes")
+    return json.loads(data)
+
+
+def _probe_request(body: Any) -> tuple[str, int]:
+    """(prompt, max_tokens) of a probe body; ValueError naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object with prompt (and max_tokens)")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not 1 <= len(prompt) <= MAX_PROBE_PROMPT_CHARS:
+        raise ValueError(f"prompt: a string of 1 to {MAX_PROBE_PROMPT_CHARS} characters")
+    max_tokens = body.get("max_tokens", 16)
+    if (
+        isinstance(max_tokens, bool)
+        or not isinstance(max_tokens, int)
+        or not 1 <= max_tokens <= MAX_PROBE_TOKENS
+    ):
+        raise ValueError(f"max_tokens: an integer from 1 to {MAX_PROBE_TOKENS}")
+    return prompt, max_tokens
+
+
 async def _probe_replica(
     client: httpx.AsyncClient, replica: dict[str, Any], model: str, prompt: str, max_tokens: int
 ) -> dict[str, Any]:
@@ -322,15 +391,45 @@ async def _probe_replica(
 
 
 class LocalApi:
-    """uvicorn in a daemon thread on a pre-bound socket."""
+    """uvicorn in a daemon thread on a pre-bound socket. With `tls_cert` and `tls_key` it
+    answers https; with `client_ca` too, only clients presenting a certificate signed by that CA
+    (the fleet, routers) complete the TLS handshake."""
 
-    def __init__(self, agent: Agent, host: str, port: int) -> None:
+    def __init__(
+        self,
+        agent: Agent,
+        host: str,
+        port: int,
+        *,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+        client_ca: Path | None = None,
+    ) -> None:
+        if (tls_cert is None) != (tls_key is None) or (client_ca and tls_cert is None):
+            raise ValueError("local API TLS: a certificate and its key (and then a client CA)")
+        config = uvicorn.Config(
+            build_app(agent),
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=tls_cert,
+            ssl_keyfile=tls_key,
+            ssl_ca_certs=client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE,
+        )
+        # Loaded here, not in the thread: a certificate that does not load fails the caller.
+        try:
+            config.load()
+        except OSError as exc:  # ssl.SSLError included
+            raise ValueError(
+                f"local API TLS: cannot load certificate {tls_cert} with key {tls_key} "
+                f"(client CA {client_ca}): {exc}"
+            ) from exc
+        self.tls = tls_cert is not None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
         self.host, self.port = host, int(self.socket.getsockname()[1])
-        config = uvicorn.Config(build_app(agent), log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True, name="agent-api"
@@ -339,7 +438,7 @@ class LocalApi:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     def start(self) -> LocalApi:
         self.thread.start()

@@ -74,7 +74,10 @@ def run(settings: AgentSettings, stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     telemetry = build_telemetry(settings)
     client = FleetClient(
-        settings.fleet_url, settings.token.get_secret_value(), settings.request_timeout_s
+        settings.fleet_url,
+        settings.token.get_secret_value(),
+        settings.request_timeout_s,
+        ca_bundle=settings.ca_bundle,
     )
     agent = Agent(
         settings,
@@ -83,7 +86,14 @@ def run(settings: AgentSettings, stop: threading.Event | None = None) -> None:
         kernel_log=build_kernel_log(settings),
         supervisor=build_supervisor(settings),
     )
-    api = LocalApi(agent, settings.listen_host, settings.listen_port)
+    api = LocalApi(
+        agent,
+        settings.listen_host,
+        settings.listen_port,
+        tls_cert=settings.tls_cert,
+        tls_key=settings.tls_key,
+        client_ca=settings.tls_client_ca,
+    )
     agent.advertise_url = settings.advertise_url or api.url
     if threading.current_thread() is threading.main_thread():
 

@@ -5,24 +5,35 @@ Reports update observed fields (agent identity, last heartbeat, health verdict, 
 health) and never the lifecycle state: the state machine's loops read these observations and
 decide (docs/design.md). Each report is one transaction; a change of verdict, a registration
 and a GPU count that disagrees with the inventory are Events, ordinary heartbeats are not.
+
+The URLs an agent reports (its own, its replicas') are where routers send users' prompts and
+the fleet its probe: each must name the address the report came from, or lie in one of the
+configured networks (FLEET_AGENT_NETWORKS, for agents behind NAT or a proxy), so an agent
+token cannot point traffic at another host. The agent's local-API key travels in the
+registration and is stored encrypted (fleet.crypto.SecretBox), never shown.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from sqlmodel import Session, col, select
 
 from fleet.auth import Principal
-from fleet.errors import ConflictError, FleetError, NotFoundError
+from fleet.crypto import SecretBox
+from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
 from fleet.models import Deployment, Event, Gpu, GpuHealth, Role, Server, Verdict, utcnow
 from fleet.states import ServerState
 
 RepairAction = Literal["none", "restart_engine", "reboot", "hardware_inspection"]
 MAX_GPUS = 64
 MAX_REASONS = 256
+Network = IPv4Network | IPv6Network
 
 
 class Forbidden(FleetError):
@@ -45,6 +56,8 @@ class Registration(_Strict):
     server: str = Field(max_length=63)
     agent_version: str = Field(min_length=1, max_length=32)
     agent_url: str | None = Field(default=None, max_length=255, pattern=r"^https?://\S+$")
+    # The key the agent's local API asks of /probe callers (agents/config.py api_key).
+    agent_api_key: SecretStr | None = Field(default=None, min_length=16, max_length=256)
     telemetry: str = Field(max_length=32)
     driver_version: str | None = Field(default=None, max_length=32)
     gpus: list[GpuFound] = Field(default_factory=list, max_length=MAX_GPUS)
@@ -76,7 +89,7 @@ class ReplicaStatus(_Strict):
     index: int = Field(ge=0, le=MAX_GPUS - 1)
     gpus: list[int] = Field(default_factory=list, max_length=MAX_GPUS)
     port: int | None = Field(default=None, ge=1, le=65535)
-    url: str | None = Field(default=None, max_length=255)
+    url: str | None = Field(default=None, max_length=255, pattern=r"^https?://\S+$")
     state: str = Field(max_length=32)
     restarts: int = Field(default=0, ge=0)
     load_seconds: float | None = Field(default=None, ge=0)
@@ -121,11 +134,65 @@ class Reply(BaseModel):
     heartbeat_interval_s: float
     expected_gpus: int  # what the inventory says: the agent's policy flags a missing GPU
     assignment: Assignment
+    # Replica URLs of this heartbeat that the fleet dropped (field: why); the agent logs them.
+    refused_urls: list[str] = Field(default_factory=list)
 
 
 # States in which a server runs its deployment's engines (the assignment is sent when loading).
 _SERVE_STATES = frozenset({ServerState.LOADING, ServerState.SERVING})
 _DRAIN_STATES = frozenset({ServerState.DRAINING, ServerState.DRAINED})
+
+
+def url_problem(url: str, peer: str | None, networks: Sequence[Network]) -> str | None:
+    """Why an agent whose request came from `peer` may not report `url` (None: it may).
+
+    Addresses only: a host name could resolve anywhere (and again differently later)."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a port out of range
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme not in ("http", "https"):
+        return "the scheme must be http or https"
+    if parts.username is not None or parts.password is not None:
+        return "no user name or password in the URL"
+    if not parts.hostname:
+        return "no host"
+    address = _address(parts.hostname)
+    if address is None:
+        return f"host {parts.hostname!r} is a name: give the server's IP address"
+    if peer is not None and address == _address(peer):
+        return None
+    if any(address in network for network in networks):
+        return None
+    return (
+        f"host {address} is not the address this report came from ({peer or 'unknown'}) "
+        "nor in FLEET_AGENT_NETWORKS"
+    )
+
+
+def _address(host: str) -> IPv4Address | IPv6Address | None:
+    try:
+        address = ip_address(host)
+    except ValueError:
+        return None
+    # A dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d.
+    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def check_urls(
+    urls: Sequence[tuple[str, str | None]], peer: str | None, networks: Sequence[Network]
+) -> None:
+    """(field, url) pairs: ValidationFailed (422) naming each field whose URL is refused."""
+    errors = [
+        f"{field}: {problem}"
+        for field, url in urls
+        if url is not None and (problem := url_problem(url, peer, networks)) is not None
+    ]
+    if errors:
+        raise ValidationFailed(errors)
 
 
 def _own_server(session: Session, principal: Principal, name: str) -> Server:
@@ -164,13 +231,16 @@ def assignment_for(session: Session, server: Server) -> Assignment:
     )
 
 
-def _reply(session: Session, server: Server, interval_s: float) -> Reply:
+def _reply(
+    session: Session, server: Server, interval_s: float, refused: list[str] | None = None
+) -> Reply:
     return Reply(
         server=server.name,
         state=server.state,
         heartbeat_interval_s=interval_s,
         expected_gpus=server.gpu_count,
         assignment=assignment_for(session, server),
+        refused_urls=refused or [],
     )
 
 
@@ -187,12 +257,22 @@ def _event(server: Server, actor: str, kind: str, message: str, **details: Any) 
 
 
 def register(
-    session: Session, principal: Principal, report: Registration, interval_s: float
+    session: Session,
+    principal: Principal,
+    report: Registration,
+    interval_s: float,
+    *,
+    box: SecretBox,
+    peer: str | None,
+    networks: Sequence[Network] = (),
 ) -> Reply:
     server = _own_server(session, principal, report.server)
+    check_urls([("agent_url", report.agent_url)], peer, networks)
     now = utcnow()
     server.agent_version = report.agent_version
     server.agent_url = report.agent_url
+    key = report.agent_api_key
+    server.agent_api_key_encrypted = box.encrypt(key.get_secret_value()) if key else None
     server.agent_registered_at = now
     server.last_heartbeat_at = now
     session.add(server)
@@ -248,9 +328,25 @@ def _record_gpus_found(session: Session, server: Server, found: list[GpuFound], 
 
 
 def heartbeat(
-    session: Session, principal: Principal, report: Heartbeat, interval_s: float
+    session: Session,
+    principal: Principal,
+    report: Heartbeat,
+    interval_s: float,
+    *,
+    peer: str | None,
+    networks: Sequence[Network] = (),
 ) -> Reply:
     server = _own_server(session, principal, report.server)
+    # A replica URL off the rule is dropped (the replica gets no traffic), not the heartbeat:
+    # refusing the whole report would hide the GPUs' health and, after the silence deadline,
+    # power cycle a server whose only fault is its agent's engine_host setting.
+    refused: list[str] = []
+    replicas = [r.model_dump(mode="json") for r in report.replicas]
+    for i, replica in enumerate(replicas):
+        url = replica.get("url")
+        if url is not None and (problem := url_problem(url, peer, networks)) is not None:
+            refused.append(f"replicas[{i}].url: {problem}")
+            replica["url"] = None
     previous = (server.health_verdict, server.health_action)
     server.last_heartbeat_at = utcnow()
     server.health_verdict = report.verdict
@@ -258,7 +354,7 @@ def heartbeat(
     server.health_reasons = [r.model_dump(mode="json") for r in report.reasons]
     server.agent_ready = report.ready
     server.agent_draining = report.draining
-    server.replicas = [r.model_dump(mode="json") for r in report.replicas]
+    server.replicas = replicas
     session.add(server)
     rows = {g.index: g for g in session.exec(select(Gpu).where(Gpu.server_id == server.id))}
     for gpu in report.gpus:
@@ -282,4 +378,4 @@ def heartbeat(
             )
         )
     session.commit()
-    return _reply(session, server, interval_s)
+    return _reply(session, server, interval_s, refused)

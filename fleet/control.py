@@ -15,7 +15,7 @@ from fleet import db
 from fleet.autoscaler.service import History, autoscale_once
 from fleet.calendar.service import calendar_once
 from fleet.crypto import SecretBox
-from fleet.leader import identity, leadership_for
+from fleet.leader import StepDown, identity, leadership_for
 from fleet.loops import SingletonLoop
 from fleet.models import Event, utcnow
 from fleet.provisioning import provision_once
@@ -23,8 +23,17 @@ from fleet.reconciler import reconcile_once
 from fleet.settings import Settings
 
 
-def _leadership_event(engine: Engine, leading: bool) -> None:
+def _leadership_event(engine: Engine, leading: bool, why: str | None = None) -> None:
     who = identity()
+    if leading:
+        message = f"{who} leads the control loops"
+    elif why is not None:
+        message = f"{who} gave up the lead and stopped its control loops: {why}"
+    else:
+        message = f"{who} lost the lead and stopped its control loops"
+    details: dict[str, str] = {"process": who}
+    if why is not None:
+        details["reason"] = why
     with db.session_scope(engine) as session:
         session.add(
             Event(
@@ -33,24 +42,28 @@ def _leadership_event(engine: Engine, leading: bool) -> None:
                 subject="leader",
                 actor=who,
                 kind="service.leader" if leading else "service.follower",
-                message=(
-                    f"{who} leads the control loops"
-                    if leading
-                    else f"{who} lost the lead and stopped its control loops"
-                ),
-                details={"process": who},
+                message=message,
+                details=details,
             )
         )
 
 
 def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[SingletonLoop]:
-    leadership = leadership_for(engine, "control", settings.leader_lease_s)
+    # A leader whose loops keep failing releases the lock for a while (fleet/leader.py) and
+    # says why in its service.follower Event (written then, not at the reconciler's next tick).
+    leadership = StepDown(
+        leadership_for(engine, "control", settings.leader_lease_s),
+        settings.leader_step_down_failures,
+        settings.leader_step_down_s,
+        on_step_down=lambda why: _leadership_event(engine, False, why),
+    )
     # When this process last became leader: missed heartbeats count only after a grace.
     led_since: dict[str, datetime | None] = {"at": None}
 
     def on_leadership(leading: bool) -> None:
         led_since["at"] = utcnow() if leading else None
-        _leadership_event(engine, leading)
+        if leading or not leadership.backing_off:  # a step-down has had its Event
+            _leadership_event(engine, leading)
 
     reconciler = SingletonLoop(
         "reconciler",
@@ -59,12 +72,14 @@ def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[Sing
         leadership,
         # A follower that never led has nothing to say; a change of leader is worth an Event.
         on_leadership=on_leadership,
+        on_tick=leadership.record,
     )
     provisioner = SingletonLoop(
         "provisioner",
         settings.provision_interval_s,
         lambda: provision_once(engine, box, settings, leader_since=led_since["at"] or utcnow()),
         leadership,
+        on_tick=leadership.record,
     )
     # Signal windows live in the leader's memory: a new leader starts with empty ones, so it
     # cannot scale down before a full down window of data (the safe direction).
@@ -76,6 +91,7 @@ def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[Sing
         settings.autoscale_interval_s,
         lambda: autoscale_once(engine, settings, history),
         leadership,
+        on_tick=leadership.record,
     )
 
     def calendar_tick() -> None:
@@ -84,5 +100,11 @@ def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[Sing
         if calendar_once(engine, settings):
             provisioner.wake()
 
-    calendar = SingletonLoop("calendar", settings.calendar_interval_s, calendar_tick, leadership)
+    calendar = SingletonLoop(
+        "calendar",
+        settings.calendar_interval_s,
+        calendar_tick,
+        leadership,
+        on_tick=leadership.record,
+    )
     return [reconciler, provisioner, autoscaler, calendar]

@@ -52,7 +52,36 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
 
 
 def engine_from_settings(settings: Settings) -> Engine:
-    return make_engine(settings.effective_database_url)
+    """The service's engine: its pool sized with the API's admission (docs/api.md), and a
+    short pool timeout (SQLAlchemy's `TimeoutError`, which the API answers with 503)."""
+    url = settings.effective_database_url
+    if sa.make_url(url).database in (None, "", ":memory:") and url.startswith("sqlite"):
+        return make_engine(url)  # one connection per thread: there is no pool to size
+    return make_engine(
+        url,
+        pool_size=settings.db_pool_size,
+        max_overflow=settings.db_max_overflow,
+        pool_timeout=settings.db_pool_timeout_s,
+    )
+
+
+def probe_engine(engine: Engine, timeout_s: float = 3.0) -> Engine:
+    """An engine without a pool on `engine`'s database, for checks that must not wait behind
+    the requests' pool (the readiness probe); on Postgres, connecting and each statement are
+    bounded by `timeout_s`."""
+    connect_args: dict[str, Any] = {"timeout": timeout_s}
+    if engine.dialect.name == "postgresql":
+        ms = max(int(timeout_s * 1000), 1)
+        connect_args = {
+            "connect_timeout": max(int(timeout_s), 1),
+            "options": f"-c statement_timeout={ms}",
+        }
+    return sa.create_engine(
+        engine.url,
+        poolclass=sa.NullPool,
+        hide_parameters=True,
+        connect_args=connect_args,
+    )
 
 
 @contextmanager
@@ -83,7 +112,11 @@ def head_revision() -> str | None:
 
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        return current_revision_on(conn)
+
+
+def current_revision_on(conn: sa.Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:

@@ -49,9 +49,17 @@ def get_deployment(session: Session, name: str) -> DeploymentPublic:
     return public(_get(session, name))
 
 
+def _check_rules(spec: DeploymentCreate) -> None:
+    """400 for a deployment that matches its schema but breaks a rule across its fields."""
+    problems = spec.rule_problems()
+    if problems:
+        raise FleetError("; ".join(problems))
+
+
 def create_deployment(session: Session, spec: DeploymentCreate, actor: str) -> DeploymentPublic:
     if session.exec(select(Deployment.id).where(Deployment.name == spec.name)).first() is not None:
         raise ConflictError(f"deployment {spec.name!r} already exists (update it with PATCH)")
+    _check_rules(spec)
     _check_gpu_models(session, spec.gpu_models)
     row = Deployment.model_validate(spec.model_dump())
     session.add(row)
@@ -78,6 +86,7 @@ def update_deployment(
         candidate = DeploymentCreate.model_validate({**current, **changes})
     except ValidationError as exc:
         raise ValidationFailed(validation_messages(exc)) from None
+    _check_rules(candidate)
     if "gpu_models" in changes:
         _check_gpu_models(session, candidate.gpu_models)
     changed = set_fields(row, changes)

@@ -15,7 +15,8 @@ of them, the leader.
   database. The kernel releases it when the process dies.
 
 `is_leader()` is asked at the start of every tick: it re-checks the lock, it does not trust a
-flag set minutes ago.
+flag set minutes ago. `StepDown` wraps a leadership: a leader whose loops keep failing releases
+the lock and follows for a back-off, so that another replica takes over.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import logging
 import os
 import socket
 import threading
+import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -220,3 +223,79 @@ class PostgresLeadership:
                     log.warning("leader %s: heartbeat found the lock gone", self.name)
                     self._drop()
                     return
+
+
+class StepDown:
+    """A `Leadership` that gives the lead away when its loops keep failing.
+
+    The loops sharing one leadership report every tick (`record`). After `max_failures` failed
+    ticks in a row (across those loops: any good tick resets the count) the lock is released
+    and this process follows for `backoff_s`, whatever the lock, so that another replica takes
+    over: a leader that cannot act (its pool exhausted, its BMC network cut, a bug) must not
+    keep the lock while a healthy replica could act. After the back-off it contends again like
+    any follower. `on_step_down(reason)` is told (once per step-down, on the loop thread).
+    """
+
+    def __init__(
+        self,
+        inner: Leadership,
+        max_failures: int,
+        backoff_s: float,
+        *,
+        on_step_down: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_failures < 1 or backoff_s <= 0:
+            raise ValueError("step-down: max_failures must be >= 1 and backoff_s positive")
+        self.name = inner.name
+        self.max_failures = max_failures
+        self.backoff_s = backoff_s
+        self._inner = inner
+        self._on_step_down = on_step_down
+        self._clock = clock
+        self._guard = threading.Lock()
+        self._failures = 0
+        self._following_until: float | None = None
+        self.reason: str | None = None  # why it last stepped down
+
+    @property
+    def backing_off(self) -> bool:
+        with self._guard:
+            return self._backing_off()
+
+    def _backing_off(self) -> bool:
+        return self._following_until is not None and self._clock() < self._following_until
+
+    def is_leader(self) -> bool:
+        # Under the guard: a loop thread asking now must not take the lock back just after
+        # another one's tick released it.
+        with self._guard:
+            return not self._backing_off() and self._inner.is_leader()
+
+    def release(self) -> None:
+        self._inner.release()
+
+    def record(self, ok: bool, error: str | None = None) -> None:
+        """One tick's outcome (SingletonLoop's `on_tick`)."""
+        with self._guard:
+            if ok:
+                self._failures = 0
+                return
+            self._failures += 1
+            # A tick still running when it stepped down may fail late: that is not news.
+            if self._failures < self.max_failures or self._backing_off():
+                return
+            self._failures = 0
+            self._following_until = self._clock() + self.backoff_s
+            self.reason = (
+                f"{self.max_failures} control-loop ticks failed in a row (last: {error}); "
+                f"following for {self.backoff_s:g} s"
+            )
+            reason = self.reason
+            self._inner.release()
+        log.error("leader %s: %s gives up the lead: %s", self.name, identity(), reason)
+        if self._on_step_down is not None:
+            try:
+                self._on_step_down(reason)
+            except Exception:  # e.g. the Event write, when the database is what fails
+                log.exception("leader %s: step-down callback failed", self.name)

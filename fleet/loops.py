@@ -2,7 +2,9 @@
 
 A `SingletonLoop` owns one thread. Each tick first asks its `Leadership` (which re-checks the
 lock, fleet/leader.py); a follower tries again at the next tick. A tick that raises is logged
-and counted, and the loop carries on: one bad tick must not stop the reconciler for good.
+and counted, and the loop carries on: one bad tick must not stop the reconciler for good. Each
+tick's outcome also goes to `on_tick` (fleet/leader.py's `StepDown` counts failures in a row
+across the loops of one leadership: a leader whose loops keep failing gives the lead away).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class SingletonLoop:
         leadership: Leadership,
         *,
         on_leadership: Callable[[bool], None] | None = None,
+        on_tick: Callable[[bool, str | None], None] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"loop {name}: the interval must be positive")
@@ -47,6 +50,7 @@ class SingletonLoop:
         self._tick = tick
         self._leadership = leadership
         self._on_leadership = on_leadership
+        self._on_tick = on_tick
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -58,11 +62,19 @@ class SingletonLoop:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        self._stop.set()
-        self._wake.set()
+        self.signal_stop()
         if self._thread is not None:
             self._thread.join(timeout)
         self._leadership.release()
+
+    def signal_stop(self) -> None:
+        """Ask the thread to end after its current tick (stop() also waits and releases)."""
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def wake(self) -> None:
         """Tick now rather than at the end of the interval (another loop has work for it)."""
@@ -88,16 +100,22 @@ class SingletonLoop:
         if not leading:
             return False
         started = time.monotonic()
+        error: str | None = None
         try:
             self._tick()
         except Exception as exc:  # a loop must survive a bad tick
             log.exception("loop %s: tick failed", self.name)
+            error = f"{type(exc).__name__}: {exc}"
             with self.stats.lock:
                 self.stats.failed_ticks += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                self.stats.last_error = error
         with self.stats.lock:
             self.stats.ticks += 1
             self.stats.last_tick_s = time.monotonic() - started
+        if self._on_tick is not None:
+            # The first line, bounded: it goes into a log line and an Event (no SQL text).
+            brief = None if error is None else f"{self.name}: {error.splitlines()[0][:200]}"
+            self._on_tick(error is None, brief)
         return True
 
     def _run(self) -> None:
@@ -111,3 +129,17 @@ class SingletonLoop:
             # followed at once.
             self._wake.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
             self._wake.clear()
+
+
+def stop_all(loops: list[SingletonLoop], timeout: float) -> list[str]:
+    """Stop every loop within `timeout` seconds in all (a tick blocked in a BMC call is left
+    behind: the threads are daemons); returns the names of the loops still running."""
+    deadline = time.monotonic() + timeout
+    for loop in loops:
+        loop.signal_stop()
+    for loop in loops:
+        loop.stop(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = [loop.name for loop in loops if loop.running]
+    if stuck:
+        log.warning("loops %s still in a tick after %.1f s: left behind", ", ".join(stuck), timeout)
+    return stuck

@@ -7,17 +7,39 @@ table and on `Create`/`Update` as `SecretStr`; no `Public` model has a field tha
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Self
 
 import sqlalchemy as sa
-from pydantic import SecretStr, model_validator
+from annotated_types import MaxLen
+from pydantic import (
+    AfterValidator,
+    AllowInfNan,
+    BeforeValidator,
+    SecretStr,
+    StringConstraints,
+    WithJsonSchema,
+    model_validator,
+)
 from sqlalchemy.engine import Dialect
 from sqlmodel import Field, SQLModel
 from sqlmodel._compat import SQLModelConfig
 
-from fleet.states import ServerState
+from agents.engine.command import (
+    BACKENDS,
+    BOOL_FLAGS,
+    FLOAT_FLAGS,
+    INT_FLAGS,
+    PASS_THROUGH_KEY,
+    STATS_KEYS,
+    YAML_KEYS,
+    check_engine_params,
+)
+from fleet.states import OPERATOR_TARGETS, ServerState
 
 
 def utcnow() -> datetime:
@@ -27,6 +49,30 @@ def utcnow() -> datetime:
 def as_utc(value: datetime) -> datetime:
     """An aware UTC datetime; a naive one (from a client) is taken to be UTC already."""
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+_NUMERIC = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
+
+
+def _iso_text(value: Any) -> Any:
+    # pydantic reads a number (or numeric text: query parameters arrive as text) as Unix
+    # seconds; the schema says ISO 8601, and so does the API.
+    if isinstance(value, bool | int | float) or (
+        isinstance(value, str) and _NUMERIC.fullmatch(value)
+    ):
+        raise ValueError("must be an ISO 8601 date-time, e.g. 2026-05-01T09:00:00Z")
+    return value
+
+
+def _in_utc(value: datetime) -> datetime:
+    try:
+        return as_utc(value)
+    except OverflowError:  # 9999-12-31T23:00-05:00 is past year 9999 in UTC
+        raise ValueError("out of range in UTC") from None
+
+
+# A client's date-time (body or query): ISO 8601 text, as aware UTC.
+IsoDateTime = Annotated[datetime, BeforeValidator(_iso_text), AfterValidator(_in_utc)]
 
 
 class UtcDateTime(sa.types.TypeDecorator[datetime]):
@@ -77,6 +123,50 @@ class StrEnumType(sa.types.TypeDecorator[StrEnum]):
 
 def _enum(enum: type[StrEnum], **kw: Any) -> Any:
     return Field(sa_type=StrEnumType(enum), **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers a client sends: JSON numbers only, finite, and within their column
+#
+# pydantic's lax mode takes `true` for 1 and "1e3" for 1000.0 (`{"replicas": false}` pinned a
+# deployment at 0), and lets inf and NaN through (`max_w: .inf` committed +Inf watts). Postgres
+# INTEGER columns are 32-bit: a larger value fails the INSERT (a 500), so every integer field
+# carries its bound and the 422 names the field. Query and path parameters arrive as text:
+# they are plain `int`s with bounds (fleet/api/routes/).
+
+INT32_MAX = 2**31 - 1
+# Replica counts and budgets: far beyond any fleet, far within a column.
+MAX_REPLICAS = 100_000
+# Watts of one server or GPU: far beyond any (a DGX draws 10.2 kW), and a rack's sum of them
+# stays finite.
+MAX_WATTS = 1_000_000.0
+# A latency SLA: from 1 ms to a day.
+MAX_SLA_MS = 86_400_000.0
+
+
+def _integer(value: Any) -> Any:
+    if isinstance(value, bool | str):
+        raise ValueError("must be an integer")
+    return value
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, bool | str):
+        raise ValueError("must be a number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integer)]
+OptInt = Annotated[int | None, BeforeValidator(_integer)]
+Number = Annotated[float, BeforeValidator(_number), AllowInfNan(False)]
+OptNumber = Annotated[float | None, BeforeValidator(_number)]
+# Model URIs a server holds in its local cache (placement prefers those): bounded like a
+# deployment's `model_uri`, and in number.
+ModelUris = Annotated[
+    list[Annotated[str, StringConstraints(min_length=1, max_length=1000)]], MaxLen(256)
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +254,7 @@ class SitePublic(SiteBase):
 
 class RackBase(SQLModel):
     name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
-    u_height: int = Field(default=42, ge=1, le=60)
+    u_height: Int = Field(default=42, ge=1, le=60)
     status: RackStatus = _enum(RackStatus, default=RackStatus.ACTIVE)
     description: str = Field(default="", max_length=500)
 
@@ -190,10 +280,10 @@ class RackPublic(RackBase):
 class PowerFeedBase(SQLModel):
     name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
     side: FeedSide = _enum(FeedSide)
-    volts: float = Field(gt=0, le=1000)
-    amps: float = Field(gt=0, le=1000)
+    volts: Number = Field(gt=0, le=1000)
+    amps: Number = Field(gt=0, le=1000)
     phase: Phase = _enum(Phase, default=Phase.SINGLE)
-    max_utilisation_pct: float = Field(default=80.0, gt=0, le=100)
+    max_utilisation_pct: Number = Field(default=80.0, gt=0, le=100)
 
 
 class PowerFeed(PowerFeedBase, table=True):
@@ -216,22 +306,22 @@ class PowerFeedPublic(PowerFeedBase):
 class ServerBase(SQLModel):
     name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
     serial: str | None = Field(default=None, max_length=100)
-    u_position: int = Field(ge=1, le=60)
-    u_height: int = Field(default=1, ge=1, le=16)
+    u_position: Int = Field(ge=1, le=60)
+    u_height: Int = Field(default=1, ge=1, le=16)
     bmc_protocol: BmcProtocol = _enum(BmcProtocol)
     bmc_address: str = Field(max_length=255, min_length=1)
-    bmc_port: int = Field(ge=1, le=65535)
+    bmc_port: Int = Field(ge=1, le=65535)
     bmc_username: str = Field(max_length=100, min_length=1)
     bmc_system_id: str | None = Field(default=None, max_length=255)
     # Redfish over plain HTTP (no TLS: the password travels in clear) only when the inventory
     # says so for this server; the virtual colo's emulators do.
     bmc_plain_http: bool = Field(default=False, sa_column_kwargs={"server_default": sa.false()})
     gpu_model: str = Field(max_length=32, index=True)
-    gpu_count: int = Field(ge=0, le=64)
-    gpu_memory_mib: int = Field(ge=0)
-    idle_w: float = Field(ge=0)
-    standby_w: float = Field(ge=0)
-    max_w: float = Field(gt=0)
+    gpu_count: Int = Field(ge=0, le=64)
+    gpu_memory_mib: Int = Field(ge=0, le=INT32_MAX)
+    idle_w: Number = Field(ge=0, le=MAX_WATTS)
+    standby_w: Number = Field(ge=0, le=MAX_WATTS)
+    max_w: Number = Field(gt=0, le=MAX_WATTS)
     pool: Pool = _enum(Pool, default=Pool.WARM, index=True)
     models_cached: list[str] = _json(list)
 
@@ -326,11 +416,46 @@ class ServerCreate(ServerBase):
 
     rack: str
     bmc_password: SecretStr | None = None
+    models_cached: ModelUris = Field(default_factory=list)
+
+
+def exactly_one_of(*fields: str) -> dict[str, Any]:
+    """The JSON schema of a model's rule "exactly one of these fields, not null" (the others
+    left out or null), so that the schema refuses what the model refuses."""
+    return {
+        "oneOf": [
+            {
+                "required": [given],
+                "properties": {
+                    other: {"not": {"type": "null"}} if other == given else {"type": "null"}
+                    for other in fields
+                },
+            }
+            for given in fields
+        ]
+    }
+
+
+def _null_only_where_nullable(schema: dict[str, Any], cls: type) -> None:
+    """An update's schema offers null only for its `nullable_fields`: the others are optional
+    (left out, they keep their value) but not nullable, and the schema says what is accepted."""
+    nullable: frozenset[str] = getattr(cls, "nullable_fields", frozenset())
+    for name, prop in schema.get("properties", {}).items():
+        if name in nullable or {"type": "null"} not in prop.get("anyOf", ()):
+            continue
+        rest = [option for option in prop.pop("anyOf") if option != {"type": "null"}]
+        if len(rest) == 1:
+            prop.update(rest[0])
+        else:
+            prop["anyOf"] = rest
+        if "default" in prop and prop["default"] is None:
+            del prop["default"]
 
 
 class _Update(SQLModel):
     """A partial update: a field left out keeps its value; null is refused unless listed."""
 
+    model_config = SQLModelConfig(json_schema_extra=_null_only_where_nullable)
     nullable_fields: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="after")
@@ -346,18 +471,22 @@ class _Update(SQLModel):
 
 
 class ServerUpdate(_Update):
-    """What an operator may change on a server through the API (not its state)."""
+    """What an operator may change on a server through the API (not its state). A new BMC
+    endpoint drops the stored password unless one comes with it; the credentials themselves
+    (bmc_username, bmc_password) only an admin may change (fleet/servers.py)."""
 
     model_config = SQLModelConfig(extra="forbid")
     nullable_fields: ClassVar[frozenset[str]] = frozenset({"bmc_system_id"})
 
     pool: Pool | None = None
+    bmc_protocol: BmcProtocol | None = None
     bmc_address: str | None = Field(default=None, max_length=255, min_length=1)
-    bmc_port: int | None = Field(default=None, ge=1, le=65535)
+    bmc_port: OptInt = Field(default=None, ge=1, le=65535)
     bmc_username: str | None = Field(default=None, max_length=100, min_length=1)
     bmc_password: SecretStr | None = None
     bmc_system_id: str | None = Field(default=None, max_length=255)
-    models_cached: list[str] | None = None
+    bmc_plain_http: bool | None = None
+    models_cached: ModelUris | None = None
 
 
 class ServerPublic(ServerBase):
@@ -394,15 +523,20 @@ class ServerPublic(ServerBase):
 class TransitionRequest(SQLModel):
     model_config = SQLModelConfig(extra="forbid")
 
-    to: ServerState
+    # Any state is read (the API explains why a fleet-only target is refused), but the schema
+    # lists only the targets an operator may choose.
+    to: Annotated[
+        ServerState,
+        WithJsonSchema({"type": "string", "enum": sorted(s.value for s in OPERATOR_TARGETS)}),
+    ]
     reason: str = Field(min_length=1, max_length=500)
 
 
 class GpuBase(SQLModel):
-    index: int = Field(ge=0, le=63)
+    index: Int = Field(ge=0, le=63)
     uuid: str | None = Field(default=None, max_length=64)
     model: str = Field(max_length=32)
-    memory_mib: int = Field(ge=0)
+    memory_mib: Int = Field(ge=0, le=INT32_MAX)
     health: GpuHealth = _enum(GpuHealth, default=GpuHealth.UNKNOWN)
 
 
@@ -442,30 +576,105 @@ class DeploymentBase(SQLModel):
     model_uri: str = Field(min_length=1, max_length=1000)
     model_checksum: str = Field(min_length=1, max_length=200)
     engine_params: dict[str, Any] = _json(dict)
-    gpus_per_replica: int = Field(default=1, ge=1, le=64)
+    gpus_per_replica: Int = Field(default=1, ge=1, le=64)
     gpu_models: list[str] = _json(list)
-    min_replicas: int = Field(default=0, ge=0)
-    max_replicas: int = Field(default=1, ge=0)
-    sla_p95_latency_ms: float = Field(gt=0)
-    sla_ttft_ms: float = Field(gt=0)
-    disruption_budget: int = Field(default=1, ge=1)
+    min_replicas: Int = Field(default=0, ge=0, le=MAX_REPLICAS)
+    max_replicas: Int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    sla_p95_latency_ms: Number = Field(ge=1, le=MAX_SLA_MS)
+    sla_ttft_ms: Number = Field(ge=1, le=MAX_SLA_MS)
+    disruption_budget: Int = Field(default=1, ge=1, le=MAX_REPLICAS)
 
 
-def _check_replicas(min_replicas: int | None, max_replicas: int | None) -> None:
-    if min_replicas is not None and max_replicas is not None and min_replicas > max_replicas:
-        raise ValueError(f"min_replicas ({min_replicas}) exceeds max_replicas ({max_replicas})")
-
-
-def _check_engine_parallelism(params: dict[str, Any] | None, gpus_per_replica: int | None) -> None:
-    if params is None or gpus_per_replica is None:
-        return
-    tp, pp = params.get("tp_size", 1), params.get("pp_size", 1)
+def deployment_rule_problems(
+    min_replicas: int, max_replicas: int, engine_params: dict[str, Any], gpus_per_replica: int
+) -> list[str]:
+    """The rules across a deployment's fields, which no schema states: the API answers them
+    with 400 (the request matched its schema), an inventory file lists them with its errors."""
+    problems = []
+    if min_replicas > max_replicas:
+        problems.append(f"min_replicas ({min_replicas}) exceeds max_replicas ({max_replicas})")
+    tp, pp = engine_params.get("tp_size", 1), engine_params.get("pp_size", 1)
     if not (isinstance(tp, int) and isinstance(pp, int)) or tp < 1 or pp < 1:
-        raise ValueError("engine_params.tp_size and pp_size must be positive integers")
-    if tp * pp != gpus_per_replica:
-        raise ValueError(
+        problems.append("engine_params.tp_size and pp_size must be positive integers")
+    elif tp * pp != gpus_per_replica:
+        problems.append(
             f"gpus_per_replica ({gpus_per_replica}) must equal tp_size × pp_size ({tp} × {pp})"
         )
+    return problems
+
+
+# engine_params: what the agent will run (agents/engine/command.py turns them into the
+# trtllm-serve command line). The fleet refuses what the agent would refuse, with the agent's
+# own check, and bounds their size: every routing table and deployment listing carries them.
+MAX_ENGINE_PARAMS_BYTES = 16 * 1024
+
+
+def _valid_engine_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    if params is None:
+        return None
+    try:
+        text = json.dumps(params, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        raise ValueError("numbers must be finite (no NaN or infinity)") from None
+    if len(text.encode()) > MAX_ENGINE_PARAMS_BYTES:
+        raise ValueError(f"at most {MAX_ENGINE_PARAMS_BYTES} bytes of JSON")
+    backend = params.get("backend")
+    if not isinstance(backend, str | None):  # the agent's check looks it up in a set
+        raise ValueError(f"engine_params.backend: expected one of {sorted(BACKENDS)}")
+    # JSON has one number type: 2.0 is the integer 2 (JSON Schema says so too), and the agent
+    # writes it into a flag, where only `2` will do.
+    params = {
+        key: int(value)
+        if key in INT_FLAGS and isinstance(value, float) and value.is_integer()
+        else value
+        for key, value in params.items()
+    }
+    check_engine_params(params)
+    return params
+
+
+def _engine_params_schema() -> dict[str, Any]:
+    """The JSON schema of what `check_engine_params` accepts, from the agent's own tables."""
+    positive: dict[str, Any] = {"type": ["integer", "null"], "minimum": 1}
+    properties: dict[str, Any] = {key: positive for key in INT_FLAGS}
+    # Never null: gpus_per_replica must equal tp_size × pp_size (absent: 1).
+    properties |= {key: {"type": "integer", "minimum": 1} for key in ("tp_size", "pp_size")}
+    properties |= {key: {} for key in FLOAT_FLAGS}
+    properties["kv_cache_free_gpu_memory_fraction"] = {
+        "type": ["number", "null"],
+        "exclusiveMinimum": 0,
+        "maximum": 1,
+    }
+    properties |= {key: {"type": "boolean"} for key in BOOL_FLAGS}
+    properties["backend"] = {"enum": [*sorted(BACKENDS), None]}
+    properties |= {key: {} for key in YAML_KEYS}
+    properties["kv_cache_config"] = {"type": ["object", "null"]}
+    properties[PASS_THROUGH_KEY] = {
+        "type": ["object", "null"],
+        "description": "other LlmArgs options: none of the keys above, and "
+        f"{' and '.join(STATS_KEYS)} stay true",
+    }
+    return {
+        "type": "object",
+        "description": f"trtllm-serve options (docs/engine.md); at most "
+        f"{MAX_ENGINE_PARAMS_BYTES} bytes of JSON",
+        "properties": properties,
+        "additionalProperties": False,
+    }
+
+
+EngineParams = Annotated[
+    dict[str, Any], AfterValidator(_valid_engine_params), WithJsonSchema(_engine_params_schema())
+]
+OptEngineParams = Annotated[
+    dict[str, Any] | None,
+    AfterValidator(_valid_engine_params),
+    WithJsonSchema(_engine_params_schema()),
+]
+# GPU model names a deployment may run on (fleet.gpu_specs and the inventory's own).
+GpuModelNames = Annotated[
+    list[Annotated[str, StringConstraints(min_length=1, max_length=32)]], MaxLen(64)
+]
 
 
 class Deployment(DeploymentBase, table=True):
@@ -485,13 +694,17 @@ class Deployment(DeploymentBase, table=True):
 
 
 class DeploymentCreate(DeploymentBase):
+    """A new deployment; `deployment_rule_problems` checks it across fields."""
+
     model_config = SQLModelConfig(extra="forbid")
 
-    @model_validator(mode="after")
-    def _consistent(self) -> DeploymentCreate:
-        _check_replicas(self.min_replicas, self.max_replicas)
-        _check_engine_parallelism(self.engine_params, self.gpus_per_replica)
-        return self
+    engine_params: EngineParams = Field(default_factory=dict)
+    gpu_models: GpuModelNames = Field(default_factory=list)
+
+    def rule_problems(self) -> list[str]:
+        return deployment_rule_problems(
+            self.min_replicas, self.max_replicas, self.engine_params, self.gpus_per_replica
+        )
 
 
 class DeploymentUpdate(_Update):
@@ -499,14 +712,14 @@ class DeploymentUpdate(_Update):
 
     model_uri: str | None = Field(default=None, min_length=1, max_length=1000)
     model_checksum: str | None = Field(default=None, min_length=1, max_length=200)
-    engine_params: dict[str, Any] | None = None
-    gpus_per_replica: int | None = Field(default=None, ge=1, le=64)
-    gpu_models: list[str] | None = None
-    min_replicas: int | None = Field(default=None, ge=0)
-    max_replicas: int | None = Field(default=None, ge=0)
-    sla_p95_latency_ms: float | None = Field(default=None, gt=0)
-    sla_ttft_ms: float | None = Field(default=None, gt=0)
-    disruption_budget: int | None = Field(default=None, ge=1)
+    engine_params: OptEngineParams = None
+    gpus_per_replica: OptInt = Field(default=None, ge=1, le=64)
+    gpu_models: GpuModelNames | None = None
+    min_replicas: OptInt = Field(default=None, ge=0, le=MAX_REPLICAS)
+    max_replicas: OptInt = Field(default=None, ge=0, le=MAX_REPLICAS)
+    sla_p95_latency_ms: OptNumber = Field(default=None, ge=1, le=MAX_SLA_MS)
+    sla_ttft_ms: OptNumber = Field(default=None, ge=1, le=MAX_SLA_MS)
+    disruption_budget: OptInt = Field(default=None, ge=1, le=MAX_REPLICAS)
 
 
 class DeploymentPublic(DeploymentBase):
@@ -615,14 +828,16 @@ class ScheduleEntryCreate(SQLModel):
     """A calendar entry as an operator writes it: from each firing of `cron` (in `timezone`)
     until `end_cron`'s next firing or for `duration_s`, at least `min_replicas`."""
 
-    model_config = SQLModelConfig(extra="forbid")
+    model_config = SQLModelConfig(
+        extra="forbid", json_schema_extra=exactly_one_of("end_cron", "duration_s")
+    )
 
     deployment: str = Field(max_length=63)
     cron: str = Field(min_length=1, max_length=200)
     timezone: str = Field(default="UTC", min_length=1, max_length=64)
-    min_replicas: int = Field(ge=1, le=100_000)
+    min_replicas: Int = Field(ge=1, le=MAX_REPLICAS)
     end_cron: str | None = Field(default=None, min_length=1, max_length=200)
-    duration_s: int | None = Field(default=None, gt=0, le=366 * 24 * 3600)
+    duration_s: OptInt = Field(default=None, gt=0, le=366 * 24 * 3600)
     note: str = Field(default="", max_length=500)
 
     @model_validator(mode="after")

@@ -50,6 +50,7 @@ from fleet.escalation import escalate
 from fleet.models import Autopilot, Deployment, Event, Pool, PowerState, Rack, Server, Site, utcnow
 from fleet.power_control import ServerBusy, server_power_lock
 from fleet.racks import rack_views
+from fleet.servers import NO_PASSWORD
 from fleet.settings import Settings
 from fleet.states import ServerState
 
@@ -104,6 +105,8 @@ def _spares(session: Session, deployment: Deployment) -> list[placement.Spare]:
         .join(Rack, col(Rack.id) == Server.rack_id)
         .join(Site, col(Site.id) == Rack.site_id)
         .where(Server.state == S.WARM, Server.pool == Pool.WARM)
+        # No BMC password (dropped when its BMC moved): it could not be powered on.
+        .where(Server.bmc_password_encrypted != NO_PASSWORD)
     )
     return [
         placement.Spare(
@@ -233,7 +236,7 @@ def provision_once(
     *,
     drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
     leader_since: datetime | None = None,
-    ask_agent: quality_probe.AskAgent = quality_probe.ask_agent_http,
+    ask_agent: quality_probe.AskAgent | None = None,  # None: over http(s), the settings' TLS
 ) -> TickReport:
     report = TickReport()
     with Session(engine) as session:
@@ -261,7 +264,7 @@ class _Steps:
         self.engine, self.box, self.settings, self.drivers = engine, box, settings, drivers
         self.report = report
         self.leader_since = leader_since
-        self.ask_agent: quality_probe.AskAgent = quality_probe.ask_agent_http
+        self.ask_agent: quality_probe.AskAgent | None = None
         self.now = utcnow()
 
     def run(self) -> None:
@@ -279,7 +282,7 @@ class _Steps:
         if not self.report.breaker_open:
             for name in quality_probe.probe_due(self.engine, self.settings):
                 outcome = quality_probe.probe_server(
-                    self.engine, self.settings, name, self.ask_agent
+                    self.engine, self.settings, name, self.ask_agent, box=self.box
                 )
                 if not outcome.ok:
                     self.report.moves.append(f"{name} -> draining: {outcome.detail}")

@@ -6,11 +6,14 @@ ready replicas with greedy decoding (`POST {agent_url}/probe`); the first answer
 deployment's model checksum is its reference (`probe_reference`), and a replica that answers
 otherwise marks its server degraded and drains it, for a person to look at (it is not power
 cycled: a reboot does not fix a wrong answer). The fleet talks to agents, never to engines.
+The agent's /probe needs its key, which the agent sent at registration and the fleet keeps
+encrypted (`Server.agent_api_key_encrypted`).
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,14 +24,18 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from fleet import lifecycle
+from fleet.crypto import SecretBox
+from fleet.errors import FleetError
 from fleet.models import Deployment, Event, ProbeReference, Server, Verdict, utcnow
 from fleet.settings import Settings
 from fleet.states import ServerState
+from fleet.tls import client_context
 
 log = logging.getLogger(__name__)
 ACTOR = "quality-probe"
 
-AskAgent = Callable[[str, dict[str, Any]], dict[str, Any]]
+# (agent URL, probe body, the agent's key or None for an agent that sent none) -> its answer
+AskAgent = Callable[[str, dict[str, Any], str | None], dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +45,38 @@ class ProbeOutcome:
     detail: str
 
 
-def ask_agent_http(agent_url: str, body: dict[str, Any]) -> dict[str, Any]:
-    reply = httpx.post(f"{agent_url.rstrip('/')}/probe", json=body, timeout=60.0, trust_env=False)
+def ask_agent_http(
+    agent_url: str, body: dict[str, Any], key: str | None, *, tls: ssl.SSLContext | None = None
+) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    reply = httpx.post(
+        f"{agent_url.rstrip('/')}/probe",
+        json=body,
+        headers=headers,
+        timeout=60.0,
+        trust_env=False,
+        verify=tls if tls is not None else True,
+    )
     reply.raise_for_status()
     answer: dict[str, Any] = reply.json()
     return answer
+
+
+def agent_tls(settings: Settings) -> ssl.SSLContext:
+    """How the fleet calls agents over https: their certificates verified against
+    FLEET_TLS_CA_BUNDLE (else the system's CAs), presenting the fleet's client certificate
+    (FLEET_TLS_CLIENT_CERT) to agents that require one."""
+    return client_context(settings.tls_ca_bundle, settings.tls_client_cert, settings.tls_client_key)
+
+
+def http_asker(settings: Settings) -> AskAgent:
+    """`ask_agent_http` with the settings' TLS: what the probe uses unless given another."""
+    tls = agent_tls(settings)
+
+    def ask(agent_url: str, body: dict[str, Any], key: str | None) -> dict[str, Any]:
+        return ask_agent_http(agent_url, body, key, tls=tls)
+
+    return ask
 
 
 def probe_due(engine: Engine, settings: Settings) -> list[str]:
@@ -62,12 +96,19 @@ def probe_due(engine: Engine, settings: Settings) -> list[str]:
 
 
 def probe_server(
-    engine: Engine, settings: Settings, name: str, ask: AskAgent = ask_agent_http
+    engine: Engine,
+    settings: Settings,
+    name: str,
+    ask: AskAgent | None = None,
+    *,
+    box: SecretBox,
 ) -> ProbeOutcome:
+    """Probe one server's replicas through its agent (`ask`: over http(s), `http_asker`)."""
     with Session(engine, expire_on_commit=False) as session:
         server = session.exec(select(Server).where(Server.name == name)).one()
         deployment = session.get(Deployment, server.deployment_id)
         url = server.agent_url
+        sealed = server.agent_api_key_encrypted
         server.probed_at = utcnow()
         session.add(server)
         session.commit()
@@ -75,7 +116,14 @@ def probe_server(
         return ProbeOutcome(name, True, "nothing to probe")
     body = {"prompt": settings.probe_prompt, "max_tokens": settings.probe_max_tokens}
     try:
-        answers = ask(url, body).get("answers", [])
+        key = box.decrypt(sealed) if sealed else None
+    except ValueError as exc:  # another FLEET_SECRET_KEY: the agent's next registration fixes it
+        return ProbeOutcome(name, True, f"agent key unreadable: {exc}")
+    try:
+        answers = (ask or http_asker(settings))(url, body, key).get("answers", [])
+    except FleetError as exc:  # FLEET_TLS_* files that do not load (serve checks them at start)
+        log.warning("quality probe: %s", exc)
+        return ProbeOutcome(name, True, f"cannot call the agent: {exc}")
     except (httpx.HTTPError, ValueError) as exc:
         # An agent that cannot answer is the heartbeat's business, not a quality verdict.
         return ProbeOutcome(name, True, f"agent did not answer the probe: {exc}")

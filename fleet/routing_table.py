@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from sqlmodel import Session, col, select
 
 from fleet.autoscaler.policy import RouterLoad
-from fleet.models import Deployment, RouterReport, Server, utcnow
+from fleet.models import Deployment, Int, RouterReport, Server, utcnow
 from fleet.settings import Settings
 from fleet.states import ServerState
 
@@ -80,13 +80,23 @@ def routing_table(
 # ---------------------------------------------------------------------------------------------
 # Routers' load reports (the autoscaler's view of what waits in front of the engines)
 
+# Sane figures for one router and deployment: a router's waiting room holds 512 by default
+# (FLEET_ROUTER_QUEUE_BOUND), and no request runs for an hour (its timeout is 15 minutes).
+MAX_WAITING = 100_000
+MAX_LATENCY_S = 3600.0
+# Entries per report: a router reports the deployments of the routing table, tens in a fleet.
+MAX_REPORTED_DEPLOYMENTS = 1000
+MAX_IGNORED_SHOWN = 20
+
 
 class DeploymentLoad(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: true is not 1 request waiting, and a p95 is a number (never inf or NaN).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
-    waiting: int = Field(ge=0, le=10_000_000)
-    p95_s: float | None = Field(default=None, ge=0)
-    ttft_p95_s: float | None = Field(default=None, ge=0)
+    # 2.0 is 2 (JSON has one number type, and the schema says integer); true is no integer.
+    waiting: Int = Field(ge=0, le=MAX_WAITING, strict=False)
+    p95_s: float | None = Field(default=None, ge=0, le=MAX_LATENCY_S)
+    ttft_p95_s: float | None = Field(default=None, ge=0, le=MAX_LATENCY_S)
 
 
 class LoadReport(BaseModel):
@@ -97,17 +107,38 @@ class LoadReport(BaseModel):
     router: str = Field(min_length=1, max_length=100)
     deployments: dict[
         Annotated[str, StringConstraints(min_length=1, max_length=63)], DeploymentLoad
-    ] = Field(max_length=10_000)
+    ] = Field(max_length=MAX_REPORTED_DEPLOYMENTS)
 
 
-def record_report(session: Session, report: LoadReport, *, now: datetime | None = None) -> int:
-    """Upsert the router's row per deployment (one transaction); returns the rows written."""
+class ReportOutcome(BaseModel):
+    """What a report did: rows written, and the deployments it named that the fleet does not
+    have (ignored: nothing stored for them; the first MAX_IGNORED_SHOWN named)."""
+
+    recorded: int
+    ignored: int = 0
+    unknown: list[str] = Field(default_factory=list)
+
+
+def record_report(
+    session: Session, report: LoadReport, *, now: datetime | None = None
+) -> ReportOutcome:
+    """Upsert the router's row per deployment that exists (one transaction).
+
+    Deployments the fleet does not have are ignored and counted, not refused: a router's table
+    lags the fleet by a poll (a deployment just deleted) or comes from a file, and refusing the
+    whole report would blind the autoscaler to that router's real queues. Ignoring stores
+    nothing for a made-up name, so at most one row per router and existing deployment."""
     at = now or utcnow()
+    named = set(report.deployments)
+    existing: set[str] = set(session.exec(select(Deployment.name)))  # tens: read them all
+    known = named & existing
     rows = {
         r.deployment: r
         for r in session.exec(select(RouterReport).where(RouterReport.router == report.router))
     }
     for deployment, load in report.deployments.items():
+        if deployment not in known:
+            continue
         row = rows.get(deployment) or RouterReport(router=report.router, deployment=deployment)
         row.at, row.waiting = at, load.waiting
         row.p95_s, row.ttft_p95_s = load.p95_s, load.ttft_p95_s
@@ -115,17 +146,21 @@ def record_report(session: Session, report: LoadReport, *, now: datetime | None 
     # A restarted router reports under a new name: its old rows go after an hour.
     session.execute(sa.delete(RouterReport).where(col(RouterReport.at) < at - timedelta(hours=1)))
     session.commit()
-    return len(report.deployments)
+    unknown = sorted(named - known)
+    return ReportOutcome(
+        recorded=len(known), ignored=len(unknown), unknown=unknown[:MAX_IGNORED_SHOWN]
+    )
 
 
 def router_loads(session: Session, fresh_after: datetime) -> dict[str, RouterLoad]:
-    """Per deployment, over the routers that reported since `fresh_after`: the waiting summed,
-    the worst p95s."""
+    """Per deployment, over the routers that reported since `fresh_after`: the waiting summed
+    (at most MAX_WAITING: reports under many router names do not add up without end), the
+    worst p95s."""
     out: dict[str, RouterLoad] = {}
     for row in session.exec(select(RouterReport).where(RouterReport.at >= fresh_after)):
         seen = out.get(row.deployment, RouterLoad())
         out[row.deployment] = RouterLoad(
-            waiting=seen.waiting + row.waiting,
+            waiting=min(seen.waiting + row.waiting, MAX_WAITING),
             p95_s=_max(seen.p95_s, row.p95_s),
             ttft_p95_s=_max(seen.ttft_p95_s, row.ttft_p95_s),
         )

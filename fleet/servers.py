@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from fleet.crypto import SecretBox
-from fleet.errors import ConflictError, NotFoundError
+from fleet.errors import ConflictError, ForbiddenError, NotFoundError
 from fleet.events import record_update, set_fields
 from fleet.models import (
+    Event,
     Gpu,
     GpuPublic,
     Pool,
@@ -20,8 +22,98 @@ from fleet.models import (
     ServerPublic,
     ServerUpdate,
     Site,
+    utcnow,
 )
 from fleet.states import ServerState
+
+# ---------------------------------------------------------------------------------------------
+# BMC credentials stay with the BMC they were given for (docs/design.md)
+
+# The stored ciphertext of a server without a BMC password: dropped when its BMC endpoint
+# changed with no new password (a Fernet token is never empty; the column is NOT NULL).
+NO_PASSWORD = ""
+# What only an admin may change: the credentials themselves.
+CREDENTIAL_FIELDS = ("bmc_username", "bmc_password")
+
+
+def has_bmc_password(server: Server) -> bool:
+    return server.bmc_password_encrypted != NO_PASSWORD
+
+
+@dataclass(frozen=True, slots=True)
+class BmcEndpoint:
+    """Where a server's BMC password is sent."""
+
+    protocol: str
+    address: str
+    port: int
+    system_id: str | None
+    plain_http: bool
+
+    @classmethod
+    def of(cls, row: Any) -> BmcEndpoint:
+        """From anything with the `bmc_*` fields (a Server, a ServerCreate)."""
+        return cls(
+            str(row.bmc_protocol),
+            row.bmc_address,
+            row.bmc_port,
+            row.bmc_system_id,
+            bool(row.bmc_plain_http),
+        )
+
+    def moved_from(self, old: BmcEndpoint) -> bool:
+        """Would the stored password now go somewhere else, or in clear where it did not?
+        (Turning plain HTTP off only adds TLS.)"""
+        elsewhere = (self.protocol, self.address, self.port, self.system_id) != (
+            old.protocol,
+            old.address,
+            old.port,
+            old.system_id,
+        )
+        return elsewhere or (self.plain_http and not old.plain_http)
+
+    def describe(self) -> str:
+        system = f" system {self.system_id}" if self.system_id else ""
+        plain = " (plain HTTP)" if self.plain_http else ""
+        return f"{self.protocol} {self.address}:{self.port}{system}{plain}"
+
+
+def record_endpoint_change(
+    session: Session,
+    server: Server,
+    fields: list[str],
+    actor: str,
+    message: str,
+    moved: tuple[BmcEndpoint, BmcEndpoint],
+    password: str,
+    at: datetime | None = None,
+) -> None:
+    """Like `record_update`, for an edit that moved the BMC endpoint: the event also names
+    both endpoints and what became of the stored password ("kept", "replaced", "dropped",
+    "none"), never its value."""
+    before, after = moved
+    now = at or utcnow()
+    server.updated_at = now
+    session.add(server)
+    note = {
+        "dropped": "; its stored BMC password was dropped (an admin sets a new one)",
+        "none": "; it has no BMC password (an admin sets one)",
+    }.get(password, "")
+    session.add(
+        Event(
+            at=now,
+            subject_type="server",
+            subject=server.name,
+            actor=actor,
+            kind="server.updated",
+            message=f"{message}: BMC endpoint {before.describe()} -> {after.describe()}{note}",
+            details={
+                "fields": fields,
+                "bmc_endpoint": {"from": before.describe(), "to": after.describe()},
+                "bmc_password": password,
+            },
+        )
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +137,7 @@ def _with_place() -> Any:
 
 def _public(server: Server, rack: str, site: str) -> ServerPublic:
     data = server.model_dump(exclude={"bmc_password_encrypted", "id", "rack_id"})
-    return ServerPublic(
-        **data, rack=rack, site=site, bmc_password_set=bool(server.bmc_password_encrypted)
-    )
+    return ServerPublic(**data, rack=rack, site=site, bmc_password_set=has_bmc_password(server))
 
 
 def list_servers(
@@ -132,18 +222,47 @@ def _endpoint_holder(session: Session, server: Server) -> str | None:
 
 
 def update_server(
-    session: Session, name: str, update: ServerUpdate, box: SecretBox, actor: str
+    session: Session,
+    name: str,
+    update: ServerUpdate,
+    box: SecretBox,
+    actor: str,
+    *,
+    credentials_allowed: bool = True,
 ) -> ServerPublic:
-    """Apply an operator's edit and record which fields changed (never their secret values)."""
+    """Apply an operator's edit and record which fields changed (never their secret values).
+
+    A new BMC endpoint (protocol, address, port, system id, or plain HTTP turned on) drops the
+    stored password unless this edit brings a new one: a password goes only to the BMC it was
+    given for. Changing the credentials themselves needs `credentials_allowed` (admins)."""
+    credentials = [f for f in CREDENTIAL_FIELDS if f in update.model_fields_set]
+    if credentials and not credentials_allowed:
+        raise ForbiddenError(
+            f"changing BMC credentials ({', '.join(credentials)}) needs the admin role; "
+            "leave them out (a new BMC address drops the stored password; an admin sets one)"
+        )
     server = session.exec(select(Server).where(Server.name == name).with_for_update()).one_or_none()
     if server is None:
         raise NotFoundError(f"no server named {name!r}")
+    before = BmcEndpoint.of(server)
     changed = set_fields(server, update.model_dump(exclude_unset=True, exclude={"bmc_password"}))
     if {"bmc_address", "bmc_port", "bmc_system_id"} & set(changed):
         _check_endpoint_free(session, server)
+    after = BmcEndpoint.of(server)
+    moved = after.moved_from(before)
+    password = "kept" if has_bmc_password(server) else "none"
     if update.bmc_password is not None:
         server.bmc_password_encrypted = box.encrypt(update.bmc_password.get_secret_value())
         changed.append("bmc_password")
-    record_update(session, server, "server", name, changed, actor, "updated through the API")
+        password = "replaced"
+    elif moved and has_bmc_password(server):
+        server.bmc_password_encrypted = NO_PASSWORD
+        changed.append("bmc_password")
+        password = "dropped"
+    message = "updated through the API"
+    if moved:
+        record_endpoint_change(session, server, changed, actor, message, (before, after), password)
+    else:
+        record_update(session, server, "server", name, changed, actor, message)
     session.commit()
     return get_server(session, name)

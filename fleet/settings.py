@@ -8,16 +8,22 @@ every other service replica.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from functools import lru_cache
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 SECRET_KEY_FILE = "secret.key"
 DB_FILE = "fleet.db"
+# Pool connections kept for the control loops (one per loop, and the BMC workers' records):
+# the API's admission never hands them out.
+LOOP_CONNECTIONS = 6
 
 
 def default_data_dir() -> Path:
@@ -48,6 +54,15 @@ class Settings(BaseSettings):
     listen_host: str = "127.0.0.1"
     listen_port: int = Field(default=8080, ge=1, le=65535)
     log_level: str = "INFO"
+    # TLS (docs/api.md): `fleetctl serve` answers https with this certificate and key (both or
+    # neither). Calling agents: their certificates are verified against `tls_ca_bundle` (default:
+    # the system's CAs), and the client certificate and key are presented to agents that
+    # require one (FLEET_AGENT_TLS_CLIENT_CA).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca_bundle: Path | None = None
+    tls_client_cert: Path | None = None
+    tls_client_key: Path | None = None
     # BMC calls: one request is bounded by the call timeout; transient failures (5xx, busy)
     # are retried with jittered backoff up to `bmc_attempts` in all, never past the total.
     bmc_call_timeout_s: float = Field(default=10.0, gt=0)
@@ -71,8 +86,29 @@ class Settings(BaseSettings):
     leader_lease_s: float = Field(default=30.0, gt=0)
     # Off: this process serves the API only and never leads (e.g. in tests, or read replicas).
     run_loops: bool = True
+    # A leader whose loop ticks fail `leader_step_down_failures` times in a row (all loops
+    # together: any good tick resets the count) releases the lock and follows for
+    # `leader_step_down_s`, so that a healthy replica takes over (fleet/leader.py).
+    leader_step_down_failures: int = Field(default=5, ge=1)
+    leader_step_down_s: float = Field(default=60.0, gt=0)
+    # The database pool and the API's admission are sized together (docs/api.md): at most
+    # `api_max_in_flight` API requests run at once, each holding at most one connection, and
+    # the pool keeps `LOOP_CONNECTIONS` more for the control loops. A request waits up to
+    # `api_admission_wait_s` for a slot, then gets 503 with Retry-After; a connection is waited
+    # for `db_pool_timeout_s` at most (then 503 too), never the 30 s default. A few at once is
+    # all one process can use (the GIL); more only delay its event loop, /healthz included.
+    db_pool_size: int = Field(default=10, ge=1)
+    db_max_overflow: int = Field(default=10, ge=0)
+    db_pool_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    api_max_in_flight: int = Field(default=8, ge=1)
+    api_admission_wait_s: float = Field(default=2.0, ge=0, le=60)
+    api_retry_after_s: int = Field(default=2, ge=1, le=3600)
+    # SIGTERM: in-flight requests get `shutdown_grace_s`, then the loops stop; whatever still
+    # hangs at `shutdown_timeout_s` after the signal, the process exits anyway.
+    shutdown_grace_s: float = Field(default=5.0, ge=0)
+    shutdown_timeout_s: float = Field(default=8.0, gt=0)
     # Provisioning (fleet/provisioning.py), a tick of the leader every `provision_interval_s`.
-    # Deadlines: large GPU servers take 10-15 min to POST (HARDWARE.md), then the GPU stack.
+    # Deadlines: large GPU servers take 10-15 min to POST (docs/hardware.md), then the GPU stack.
     provision_interval_s: float = Field(default=5.0, gt=0)
     boot_deadline_s: float = Field(default=1500.0, gt=0)
     load_deadline_s: float = Field(default=900.0, gt=0)
@@ -102,7 +138,8 @@ class Settings(BaseSettings):
     # Routers report their load every few seconds (fleet/router/); older reports are ignored.
     router_report_stale_s: float = Field(default=30.0, gt=0)
     # A GPU model's boot-to-ready time (power-on to serving) before any boot of it has been
-    # measured (HARDWARE.md: 10–15 min of POST on large GPU servers, 3–5 more for the GPU stack).
+    # measured (docs/hardware.md: 10–15 min of POST on large GPU servers, 3–5 more for the GPU
+    # stack).
     boot_estimate_s: float = Field(default=1200.0, gt=0)
     # The scheduled-scaling calendar (fleet/calendar/): a tick of the leader. An entry fires
     # one measured p90 boot-to-ready before its minute, within one tick.
@@ -116,12 +153,22 @@ class Settings(BaseSettings):
     probe_max_tokens: int = Field(default=16, ge=1, le=256)
     # Agents heartbeat this often (the fleet tells them in every reply).
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    # The agent URL and replica URLs an agent reports must name the address its request came
+    # from, or lie in one of these networks (agents behind NAT or a proxy): CIDRs, comma-separated
+    # ("10.20.0.0/16,fd00:20::/64") or a JSON list.
+    agent_networks: Annotated[list[IPv4Network | IPv6Network], NoDecode] = Field(
+        default_factory=list
+    )
     # Redfish TLS: verified by default (optionally against a CA bundle); off only when asked.
     bmc_verify_tls: bool = True
     bmc_ca_bundle: Path | None = None
     # Paging of list endpoints: a client may ask for up to `max_page_size` rows.
     default_page_size: int = Field(default=100, ge=1)
     max_page_size: int = Field(default=1000, ge=1)
+    # Request bodies (fleet/api/edge.py), refused with 413 before they are read past the limit:
+    # every JSON body, and inventory files (import, validate; operators only).
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    max_inventory_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
 
     @field_validator("database_url")
     @classmethod
@@ -135,6 +182,42 @@ class Settings(BaseSettings):
             )
         # SQLAlchemy would pick psycopg2 for a bare postgresql:// URL; we ship psycopg 3.
         return f"{_SCHEMES[scheme]}://{rest}"
+
+    @model_validator(mode="after")
+    def _capacity(self) -> Settings:
+        pool = self.db_pool_size + self.db_max_overflow
+        if pool <= LOOP_CONNECTIONS:
+            raise ValueError(
+                f"FLEET_DB_POOL_SIZE + FLEET_DB_MAX_OVERFLOW must exceed {LOOP_CONNECTIONS} "
+                "(the connections kept for the control loops)"
+            )
+        if self.api_max_in_flight > pool - LOOP_CONNECTIONS:
+            raise ValueError(
+                f"FLEET_API_MAX_IN_FLIGHT must be at most FLEET_DB_POOL_SIZE + "
+                f"FLEET_DB_MAX_OVERFLOW - {LOOP_CONNECTIONS} = {pool - LOOP_CONNECTIONS}: each "
+                "request may hold a connection, and the control loops keep theirs"
+            )
+        if self.shutdown_timeout_s <= self.shutdown_grace_s:
+            raise ValueError("FLEET_SHUTDOWN_TIMEOUT_S must exceed FLEET_SHUTDOWN_GRACE_S")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> Settings:
+        for cert, key in (("tls_cert", "tls_key"), ("tls_client_cert", "tls_client_key")):
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                raise ValueError(f"FLEET_{cert.upper()} and FLEET_{key.upper()} go together")
+        return self
+
+    @field_validator("agent_networks", mode="before")
+    @classmethod
+    def _cidr_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, list):
+            # ip_network's own message ("10.0.0.1/8 has host bits set") says what to fix.
+            return [ip_network(str(v).strip()) for v in value if str(v).strip()]
+        return value
 
     @property
     def is_embedded(self) -> bool:

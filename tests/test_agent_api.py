@@ -1,18 +1,34 @@
-"""The agents' API (/api/v1/agent/...) of a real service, on SQLite and on Postgres."""
+"""The agents' API (/api/v1/agent/...) of a real service, on SQLite and on Postgres.
+
+The service runs with FLEET_AGENT_NETWORKS=10.20.0.0/16: the tests' requests come from
+127.0.0.1, so loopback URLs are the agent's own address and 10.20.x.y a configured network.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from contextlib import suppress
+from ipaddress import ip_network
 from typing import Any
 
 import httpx
 import pytest
-from factories import add_rack, add_server, add_site, walk_to
+from factories import TEST_SECRET_KEY, add_rack, add_server, add_site, walk_to
 from live import Live, serve
+from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from agents.config import AgentSettings
+from agents.daemon import Agent
+from agents.fleet_client import FleetClient
+from agents.local_api import LocalApi
+from agents.telemetry.simulated import SimulatedTelemetry
+from fleet.agent_reports import url_problem
+from fleet.crypto import SecretBox
 from fleet.models import Deployment, Event, Gpu, Role, Server, Verdict
+from fleet.quality_probe import probe_server
 from fleet.states import ServerState
 
 API = "/api/v1/agent"
@@ -20,7 +36,8 @@ API = "/api/v1/agent"
 
 @pytest.fixture(scope="module")
 def live(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    with serve(engine, tmp_path_factory.mktemp("agent-api")) as server:
+    networks = "10.20.0.0/16,fd00:20::/64"
+    with serve(engine, tmp_path_factory.mktemp("agent-api"), agent_networks=networks) as server:
         yield server
 
 
@@ -48,7 +65,7 @@ def registration(server: str = "gpu-a", **changes: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "server": server,
         "agent_version": "0.1.0",
-        "agent_url": "http://10.0.0.5:9410",
+        "agent_url": "http://127.0.0.1:9410",
         "telemetry": "simulated",
         "driver_version": "550.54.15",
         "gpus": [
@@ -98,7 +115,7 @@ def test_register_records_the_agent_and_its_gpus(agent: httpx.Client, db: Engine
         "replicas": 0,
     }
     server = row(db, "gpu-a")
-    assert (server.agent_version, server.agent_url) == ("0.1.0", "http://10.0.0.5:9410")
+    assert (server.agent_version, server.agent_url) == ("0.1.0", "http://127.0.0.1:9410")
     assert server.agent_registered_at is not None and server.last_heartbeat_at is not None
     assert server.state == ServerState.ENROLLED  # a report never moves the lifecycle
     with Session(db) as session:
@@ -215,3 +232,169 @@ def test_bad_reports_are_422_and_write_nothing(agent: httpx.Client, db: Engine) 
     duplicate = registration(gpus=[{"index": 0, "uuid": "GPU-1"}, {"index": 1, "uuid": "GPU-1"}])
     assert agent.post(f"{API}/register", json=duplicate).status_code == 400
     assert row(db, "gpu-a").last_heartbeat_at is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The URLs an agent reports: its own address or a configured network, nothing else
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://10.0.0.5:9410", "not the address this report came from (127.0.0.1)"),
+        ("http://192.168.1.10:9410", "nor in FLEET_AGENT_NETWORKS"),
+        ("http://evil.example:9410", "is a name"),
+        ("http://localhost:9410", "is a name"),
+        ("http://user:secret@127.0.0.1:9410", "no user name or password"),
+        ("http://127.0.0.1:99999", "not a URL"),
+    ],
+)
+def test_a_spoofed_agent_url_is_refused_and_nothing_is_written(
+    agent: httpx.Client, db: Engine, url: str, problem: str
+) -> None:
+    reply = agent.post(f"{API}/register", json=registration(agent_url=url))
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["errors"][0].startswith("agent_url: ") and problem in reply.text
+    assert "secret" not in reply.text
+    assert row(db, "gpu-a").agent_url is None and row(db, "gpu-a").last_heartbeat_at is None
+
+
+def test_agent_urls_on_loopback_from_loopback_or_in_a_configured_network_are_accepted(
+    agent: httpx.Client, db: Engine
+) -> None:
+    for url in (
+        "http://127.0.0.1:9410",
+        "https://10.20.3.4:9410",
+        "http://[fd00:20::7]:9410",
+        "http://[::ffff:127.0.0.1]:9410",
+    ):
+        reply = agent.post(f"{API}/register", json=registration(agent_url=url))
+        assert reply.status_code == 200, (url, reply.text)
+        assert row(db, "gpu-a").agent_url == url
+    # Just outside the configured network: refused.
+    outside = agent.post(f"{API}/register", json=registration(agent_url="http://10.21.0.1:9410"))
+    assert outside.status_code == 422 and "agent_url" in outside.text
+
+
+def test_replica_urls_follow_the_same_rule(agent: httpx.Client, db: Engine) -> None:
+    assert agent.post(f"{API}/register", json=registration()).status_code == 200
+
+    def replicas(*urls: str) -> list[dict[str, Any]]:
+        return [{"index": i, "url": u, "state": "ready"} for i, u in enumerate(urls)]
+
+    good = heartbeat(replicas=replicas("http://127.0.0.1:8100", "http://10.20.0.9:8101"))
+    assert agent.post(f"{API}/heartbeat", json=good).status_code == 200
+    assert agent.post(f"{API}/heartbeat", json=good).json()["refused_urls"] == []
+    # A replica URL off the rule is dropped, the heartbeat (GPU health, readiness) is kept: a
+    # refused heartbeat would end in the fleet power cycling the server for its silence.
+    spoofed = heartbeat(replicas=replicas("http://127.0.0.1:8100", "http://203.0.113.7:443"))
+    reply = agent.post(f"{API}/heartbeat", json=spoofed)
+    assert reply.status_code == 200 and reply.json()["refused_urls"] == [
+        "replicas[1].url: host 203.0.113.7 is not the address this report came from "
+        "(127.0.0.1) nor in FLEET_AGENT_NETWORKS"
+    ]
+    assert [r["url"] for r in row(db, "gpu-a").replicas] == ["http://127.0.0.1:8100", None]
+    for bad in ("ftp://127.0.0.1/x", "http://a:b@127.0.0.1:8100"):
+        refused = agent.post(f"{API}/heartbeat", json=heartbeat(replicas=replicas(bad)))
+        if refused.status_code == 200:  # past the schema's pattern: dropped by the rule
+            assert refused.json()["refused_urls"], bad
+            assert [r["url"] for r in row(db, "gpu-a").replicas] == [None], bad
+        else:
+            assert refused.status_code == 422 and "replicas" in refused.text, bad
+
+
+def test_the_url_rule_by_peer() -> None:
+    nat = [ip_network("10.20.0.0/16")]
+    # An agent on 10.0.0.7 may name itself, not loopback (that would point routers at
+    # themselves) and not its neighbour.
+    assert url_problem("http://10.0.0.7:9410", "10.0.0.7", []) is None
+    assert url_problem("http://127.0.0.1:9410", "10.0.0.7", []) is not None
+    assert url_problem("http://10.0.0.8:9410", "10.0.0.7", []) is not None
+    # A dual-stack listener's view of an IPv4 peer.
+    assert url_problem("http://10.0.0.7:9410", "::ffff:10.0.0.7", []) is None
+    # Behind NAT the peer is the gateway: the configured network decides.
+    assert url_problem("http://10.20.5.5:9410", "192.0.2.1", nat) is None
+    assert url_problem("http://10.21.5.5:9410", "192.0.2.1", nat) is not None
+    # No peer known (a Unix socket): only the networks.
+    assert url_problem("http://10.20.5.5:9410", None, nat) is None
+    assert url_problem("http://127.0.0.1:9410", None, nat) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# The agent's local-API key: stored encrypted, never shown, presented by the quality probe
+
+
+KEY = "agent-local-api-key-0123456789abcdef"
+
+
+def test_the_agent_key_is_stored_encrypted_and_never_shown(
+    agent: httpx.Client, live: Live, db: Engine
+) -> None:
+    reply = agent.post(f"{API}/register", json=registration(agent_api_key=KEY))
+    assert reply.status_code == 200 and KEY not in reply.text
+    sealed = row(db, "gpu-a").agent_api_key_encrypted
+    assert sealed and KEY not in sealed and SecretBox(TEST_SECRET_KEY).decrypt(sealed) == KEY
+    viewer = live.client(live.token(Role.ADMIN, name="admin"))
+    for path in (
+        "/api/v1/servers/gpu-a",
+        "/api/v1/servers",
+        "/api/v1/events?limit=1000",
+        "/api/v1/inventory/export",
+    ):
+        text = viewer.get(path).text
+        assert KEY not in text and sealed not in text and "agent_api_key" not in text, path
+    short = agent.post(f"{API}/register", json=registration(agent_api_key="short"))
+    assert short.status_code == 422 and "agent_api_key" in short.text and "short" not in short.text
+    # An agent that sends no key (an older one) leaves none behind.
+    assert agent.post(f"{API}/register", json=registration()).status_code == 200
+    assert row(db, "gpu-a").agent_api_key_encrypted is None
+
+
+def test_the_quality_probe_presents_the_key_the_agent_registered_with(
+    live: Live, servers: list[str], db: Engine, session: Session
+) -> None:
+    """End to end: the agent's own code registers (its key included) with the live service,
+    the fleet's probe decrypts the key and calls the agent's real local API with it."""
+    token = live.token(Role.AGENT, name="agent-a", server="gpu-a")
+    settings = AgentSettings(
+        server="gpu-a", token=SecretStr(token), fleet_url=live.url, telemetry="simulated"
+    )
+    client = FleetClient(live.url, token, 10.0)
+    agent = Agent(settings, SimulatedTelemetry("H100", 2, seed=2), client)
+    api = LocalApi(agent, "127.0.0.1", 0).start()
+    try:
+        agent.advertise_url = api.url
+        for _ in range(200):  # uvicorn listens once its thread is up: bounded wait
+            with suppress(httpx.ConnectError):
+                httpx.get(f"{api.url}/healthz")
+                break
+            time.sleep(0.025)
+        agent.tick()
+        assert agent.registered, agent.last_error
+        deployment = Deployment(
+            name="llama-8b",
+            model_uri="s3://models/llama-3.1-8b",
+            model_checksum="sha256:abc",
+            gpus_per_replica=1,
+            gpu_models=["H100"],
+            sla_p95_latency_ms=2000,
+            sla_ttft_ms=300,
+        )
+        session.add(deployment)
+        session.commit()
+        server = session.exec(select(Server).where(Server.name == "gpu-a")).one()
+        server.deployment_id = deployment.id
+        session.add(server)
+        session.commit()
+        box = SecretBox(TEST_SECRET_KEY)
+        outcome = probe_server(db, live.settings, "gpu-a", box=box)
+        # The agent answered (its key accepted): it has no engines, so no replica answered.
+        assert outcome.ok and outcome.detail == "no ready replica answered", outcome.detail
+        server.agent_api_key_encrypted = None  # a fleet that lost the key is refused
+        session.add(server)
+        session.commit()
+        refused = probe_server(db, live.settings, "gpu-a", box=box)
+        assert "did not answer the probe" in refused.detail and "401" in refused.detail
+    finally:
+        api.stop()
+        client.close()

@@ -24,7 +24,7 @@ import pytest
 from pydantic import SecretStr
 
 from agents.config import AgentSettings
-from agents.daemon import Agent
+from agents.daemon import Agent, printable
 from agents.fleet_client import FleetClient
 from agents.main import run
 from agents.telemetry.simulated import Fault, SimulatedTelemetry
@@ -36,6 +36,7 @@ DEMO = Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml"
 SERVER = "fra1-r01-h100-01"  # a DGX H100: 8 GPUs in the inventory
 OUTAGE_S = 30.0
 HEARTBEAT_S = 0.5
+AGENT_KEY = "the-agents-local-api-key-0123456789"
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 20.0) -> T:
@@ -204,9 +205,15 @@ def test_an_injected_fault_reaches_readyz_state_and_the_fleet(service: Service) 
     service.start("--import", str(DEMO))
     token = service.fleetctl("token", "create", "--role", "agent", "--server", SERVER).strip()
     viewer = service.fleetctl("token", "create", "--role", "viewer", "--name", "watch").strip()
-    with running_agent(agent_settings(service, token)) as url:
+    settings = agent_settings(service, token, api_key=SecretStr(AGENT_KEY))
+    with running_agent(settings) as url:
         wait_for("registration", lambda: state(url)["registered"])
-        injected = httpx.post(f"{url}/faults", json={"kind": "xid", "xid": 79, "gpu": 3})
+        fault = {"kind": "xid", "xid": 79, "gpu": 3}
+        anyone = httpx.post(f"{url}/faults", json=fault)
+        assert anyone.status_code == 401 and "key" in anyone.json()["detail"]
+        assert state(url)["assessment"]["verdict"] == "healthy"  # nothing injected
+        key = {"Authorization": f"Bearer {AGENT_KEY}"}
+        injected = httpx.post(f"{url}/faults", json=fault, headers=key)
         assert injected.status_code == 200, injected.text
         wait_for("not ready", lambda: httpx.get(f"{url}/readyz").status_code == 503)
         verdict = state(url)["assessment"]
@@ -216,7 +223,7 @@ def test_an_injected_fault_reaches_readyz_state_and_the_fleet(service: Service) 
         row = service.server(viewer)
         assert row["health_verdict"] == "unhealthy" and row["state"] == "enrolled"
         assert row["health_reasons"][0]["code"] == "xid_79"
-        bad = httpx.post(f"{url}/faults", json={"kind": "meteor"})
+        bad = httpx.post(f"{url}/faults", json={"kind": "meteor"}, headers=key)
         assert bad.status_code == 422 and "meteor" in bad.json()["detail"]
 
 
@@ -326,3 +333,20 @@ def test_python_m_agents_refuses_bad_settings_in_one_line() -> None:
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "FLEET_AGENT_SERVER" in lines[0], done.stderr
+
+
+def test_reports_carry_no_control_characters() -> None:
+    """The fleet refuses control characters in every string (fleet/api/edge.py): a driver's
+    Xid text with an ESC or NUL must not get every heartbeat refused."""
+    report = {
+        "reasons": [{"code": "xid", "message": "Xid 79\x1b[31m fell off\x00 the bus\x9b"}],
+        "gpus": [{"uuid": "GPU-\n1"}],
+        "ready": True,
+        "n": 3,
+    }
+    assert printable(report) == {
+        "reasons": [{"code": "xid", "message": "Xid 79 [31m fell off  the bus "}],
+        "gpus": [{"uuid": "GPU- 1"}],
+        "ready": True,
+        "n": 3,
+    }

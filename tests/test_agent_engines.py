@@ -32,6 +32,7 @@ from agents.local_api import LocalApi
 from agents.main import build_supervisor
 from agents.telemetry.simulated import SimulatedTelemetry
 from fleet.lab.colo import free_port_block
+from fleet.quality_probe import ask_agent_http
 
 T = TypeVar("T")
 ASSIGNMENT: dict[str, Any] = {
@@ -60,6 +61,7 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0) ->
 class FakeFleet:
     assignment: dict[str, Any]
     heartbeats: list[dict[str, Any]] = field(default_factory=list)
+    registration: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
@@ -67,6 +69,8 @@ class FakeFleet:
         if request.url.path.endswith("/heartbeat"):
             with self.lock:
                 self.heartbeats.append(body)
+        elif request.url.path.endswith("/register"):
+            self.registration = body
         return httpx.Response(
             200,
             json={
@@ -154,10 +158,12 @@ def test_four_replicas_of_two_gpus_start_serve_and_restart(rig: Rig) -> None:
             timeout=30,
         )
         assert reply.status_code == 200, reply.text
-    # The fleet's quality probe through the agent: every replica, greedy, the same answer.
-    probe = httpx.post(
-        f"{rig.url}/probe", json={"prompt": "list five primes", "max_tokens": 8}, timeout=60
-    ).json()
+    # The fleet's quality probe through the agent (the fleet's own client, with the key the
+    # agent sent at registration): every replica, greedy, the same answer.
+    body = {"prompt": "list five primes", "max_tokens": 8}
+    key = rig.fleet.registration["agent_api_key"]
+    assert httpx.post(f"{rig.url}/probe", json=body, timeout=60).status_code == 401
+    probe = ask_agent_http(rig.url, body, key)
     texts = {a["text"] for a in probe["answers"]}
     assert len(probe["answers"]) == 4 and len(texts) == 1 and None not in texts
     # Heartbeats carry the same per-replica view.
@@ -206,7 +212,9 @@ def test_a_fatal_xid_drains_without_losing_a_request(rig: Rig) -> None:
     pids = engine_pids(rig)
 
     injected_at = time.monotonic()
-    reply = httpx.post(f"{rig.url}/faults", json={"kind": "xid", "xid": 79, "gpu": 3})
+    key = {"Authorization": f"Bearer {rig.agent.api_key}"}
+    fault = {"kind": "xid", "xid": 79, "gpu": 3}
+    reply = httpx.post(f"{rig.url}/faults", json=fault, headers=key)
     assert reply.status_code == 200
     wait_for("/readyz false", lambda: not rig.ready(), timeout=5)
     not_ready_after = time.monotonic() - injected_at

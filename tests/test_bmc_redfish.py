@@ -36,6 +36,7 @@ from fleet.bmc.base import (
     BmcAuthFailed,
     BmcError,
     BmcProtocolError,
+    BmcRefused,
     BmcTarget,
     BmcTransient,
     BmcUnreachable,
@@ -60,8 +61,12 @@ def target(
     server: str = "gpu-test-01",
     password: str = PASSWORD,
     timeouts: Timeouts = FAST,
+    plain_http: bool | None = None,
     **kwargs: Any,
 ) -> BmcTarget:
+    # The emulator and the fakes speak plain HTTP: opted in, as the lab's inventory does.
+    if plain_http is None:
+        plain_http = address.startswith("http://")
     return BmcTarget(
         server=server,
         protocol=BmcProtocol.REDFISH,
@@ -71,6 +76,7 @@ def target(
         password=password,
         system_id=system_id,
         timeouts=timeouts,
+        plain_http=plain_http,
         **kwargs,
     )
 
@@ -701,23 +707,40 @@ def test_session_login_is_preferred_and_logged_out(
     assert len([s for s in fake.seen if s.method == "DELETE"]) >= 1
 
 
-def test_session_failure_falls_back_to_basic(
+@pytest.mark.parametrize(
+    ("session_status", "password", "error"),
+    [(500, PASSWORD, BmcProtocolError), (201, "nope", BmcAuthFailed)],
+    ids=["session-refused", "wrong-password"],
+)
+def test_failed_session_login_is_an_error_not_a_basic_auth_retry(
     fake_bmc: Callable[..., tuple[FakeRedfish, int]],
+    session_status: int,
+    password: str,
+    error: type[BmcError],
 ) -> None:
-    fake, port = fake_bmc(sessions=True, session_status=500)
-    with RedfishDriver(target(port, "1")) as d:
-        assert d.power_state() is PowerState.ON
-    (get,) = fake.requests_to("GET", SYSTEM)
-    assert get.headers.get("Authorization", "").startswith("Basic ")
-    assert fake.count("POST", SESSIONS) == 1
-
-
-def test_wrong_password_with_sessions(fake_bmc: Callable[..., tuple[FakeRedfish, int]]) -> None:
-    _, port = fake_bmc(sessions=True)
-    t = target(port, "1", password="nope")
-    with RedfishDriver(t) as d, pytest.raises(BmcAuthFailed) as err:
+    """A BMC that offers sessions and refuses one gets no second try with basic auth: that
+    would only send the password again, to a BMC broken or not who it claims to be."""
+    fake, port = fake_bmc(sessions=True, session_status=session_status)
+    t = target(port, "1", password=password)
+    with RedfishDriver(t) as d, pytest.raises(error) as err:
         d.power_state()
     assert_one_line(err.value, t)
+    assert fake.count("POST", SESSIONS) == 1
+    assert [s for s in fake.seen if "Authorization" in s.headers] == []
+    assert fake.requests_to("GET", SYSTEM) == []
+
+
+def test_plain_http_needs_the_opt_in(fake_bmc: Callable[..., tuple[FakeRedfish, int]]) -> None:
+    fake, port = fake_bmc()
+    t = target(port, "1", plain_http=False)
+    with pytest.raises(BmcRefused) as err:
+        RedfishDriver(t)
+    assert "plain HTTP" in str(err.value) and "plain_http: true" in str(err.value)
+    assert_one_line(err.value, t)
+    assert fake.seen == []  # refused before anything was sent
+    # Opted in, a bare host means http (the lab's emulators), and it works.
+    with RedfishDriver(target(port, "1", address="127.0.0.1", plain_http=True)) as d:
+        assert d.power_state() is PowerState.ON
 
 
 def test_identify_variants(fake_bmc: Callable[..., tuple[FakeRedfish, int]]) -> None:
@@ -854,17 +877,27 @@ def test_ca_file_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("address", "port", "url"),
+    ("address", "port", "plain_http", "url"),
     [
-        ("10.0.0.5", 443, "https://10.0.0.5:443"),
-        ("bmc-01.example", 8443, "https://bmc-01.example:8443"),
-        ("fd00::5", 443, "https://[fd00::5]:443"),
-        ("http://127.0.0.1", 8000, "http://127.0.0.1:8000"),
-        ("https://bmc:9443/redfish/v1", 443, "https://bmc:9443"),
+        ("10.0.0.5", 443, False, "https://10.0.0.5:443"),
+        ("bmc-01.example", 8443, False, "https://bmc-01.example:8443"),
+        ("fd00::5", 443, False, "https://[fd00::5]:443"),
+        ("http://127.0.0.1", 8000, True, "http://127.0.0.1:8000"),
+        ("127.0.0.1", 8000, True, "http://127.0.0.1:8000"),
+        ("https://bmc:9443/redfish/v1", 443, False, "https://bmc:9443"),
+        ("https://bmc:9443", 443, True, "https://bmc:9443"),  # TLS given: kept
+        ("https://user:pw@bmc", 443, False, "https://bmc:443"),  # user info dropped
     ],
 )
-def test_base_url(address: str, port: int, url: str) -> None:
-    assert base_url(target(port, address=address)) == url
+def test_base_url(address: str, port: int, plain_http: bool, url: str) -> None:
+    assert base_url(target(port, address=address, plain_http=plain_http)) == url
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1", "HTTP://bmc:80", "ftp://bmc", "http://"])
+def test_base_url_refuses_plain_http_without_the_opt_in(address: str) -> None:
+    with pytest.raises(BmcRefused) as err:
+        base_url(target(443, address=address, plain_http=False))
+    assert "nothing was sent" in str(err.value) or "not an http(s) URL" in str(err.value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from agents.engine.command import (
     FLAG_KEYS,
     YAML_KEYS,
+    check_engine_params,
     cuda_visible_devices,
     extra_llm_api_options,
     model_path,
@@ -223,6 +224,13 @@ def test_unknown_params_are_rejected_by_name() -> None:
 def test_bad_values_are_rejected(params: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         trtllm_serve_argv(("t",), "m", params, "h", 1, "o")
+
+
+@pytest.mark.parametrize("backend", [{}, [], ["pytorch"], 3])
+def test_a_backend_that_is_no_string_is_a_value_error(backend: Any) -> None:
+    """Not a TypeError from `{} in BACKENDS`: callers turn ValueError into a 4xx."""
+    with pytest.raises(ValueError, match=r"engine_params\.backend .*: expected one of"):
+        check_engine_params({"backend": backend})
 
 
 def test_argument_checks() -> None:

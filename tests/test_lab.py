@@ -338,6 +338,11 @@ def test_power_on_through_the_fleet_boots_agents_that_register_and_report_faults
             # A fault through the lab reaches the fleet within a heartbeat (plus slack).
             out = fleet.ok("lab", "inject", a, "xid", "79", "--gpu", "3", "--dir", str(workdir))
             assert "injected xid 79 on GPU 3" in out
+            # ... with the key the lab gave the agent (lab.json, 0600): without it, refused.
+            agent_a = lab_json(workdir)["servers"][a]["agent"]
+            assert (workdir / "lab.json").stat().st_mode & 0o777 == 0o600 and agent_a["key"]
+            keyless = httpx.post(f"{agent_a['url']}/faults", json={"kind": "xid", "xid": 79})
+            assert keyless.status_code == 401
             wait_for(
                 "the fleet to see the fault",
                 lambda: fleet.server(a)["health_verdict"] == "unhealthy",

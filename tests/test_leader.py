@@ -43,6 +43,7 @@ from fleet.leader import (
     FileLeadership,
     PostgresLeadership,
     SoleProcess,
+    StepDown,
     identity,
     leadership_for,
 )
@@ -310,6 +311,129 @@ def test_a_failing_leadership_callback_does_not_stop_the_loop(
         wait_for("the loop to tick", lambda: loop.stats.ticks >= 3 or None, timeout=1.5)
     finally:
         loop.stop(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# StepDown: a leader whose loops keep failing gives the lead away
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_step_down_after_failures_in_a_row_and_back_after_the_backoff(
+    contender: Callable[..., PostgresLeadership], leader_engine: Engine
+) -> None:
+    clock, reasons = Clock(), list[str]()
+    leadership = StepDown(contender(), 3, 30.0, on_step_down=reasons.append, clock=clock)
+    assert leadership.is_leader()
+    [holder] = advisory_holders(leader_engine)
+    # A good tick anywhere resets the count: failures must come in a row.
+    for ok in (False, False, True, False, False):
+        leadership.record(ok, None if ok else "reconciler: OperationalError: gone")
+    assert leadership.is_leader() and advisory_holders(leader_engine) == [holder]
+
+    leadership.record(False, "provisioner: TimeoutError: QueuePool limit")
+    assert advisory_holders(leader_engine) == [], "the lock must be released at once"
+    assert leadership.is_leader() is False and leadership.backing_off
+    assert reasons == [
+        "3 control-loop ticks failed in a row (last: provisioner: TimeoutError: QueuePool "
+        "limit); following for 30 s"
+    ]
+    # A tick that was still running fails late: no second step-down.
+    leadership.record(False, "autoscaler: late")
+    assert len(reasons) == 1
+
+    clock.now += 30.0
+    assert leadership.is_leader() is True, "after the back-off it contends again"
+    assert len(advisory_holders(leader_engine)) == 1
+
+
+def test_step_down_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_failures"):
+        StepDown(SoleProcess("control"), 0, 1.0)
+
+
+def test_a_failing_leader_hands_the_lead_to_a_healthy_one(
+    contender: Callable[..., PostgresLeadership],
+    leader_engine: Engine,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two processes' worth of loops on one lock: the leader's ticks all fail (as when its pool
+    is exhausted), the follower's work. The leader gives up the lock and the follower leads."""
+    caplog.set_level(logging.INFO, logger="fleet.leader")
+
+    def broken() -> None:
+        raise RuntimeError("QueuePool limit reached")
+
+    sick_lead = StepDown(contender(), 3, 60.0)
+    healthy_lead = StepDown(contender(), 3, 60.0)
+    sick = SingletonLoop("provisioner", 0.05, broken, sick_lead, on_tick=sick_lead.record)
+    healthy = SingletonLoop(
+        "provisioner", 0.05, lambda: None, healthy_lead, on_tick=healthy_lead.record
+    )
+    sick.start()
+    try:
+        wait_for("the sick one to lead", lambda: sick.stats.leader or None, timeout=5)
+        healthy.start()
+        wait_for("the healthy one to lead", lambda: healthy.stats.ticks >= 3 or None, timeout=5)
+        assert healthy.stats.leader and healthy.stats.failed_ticks == 0
+        assert not sick.stats.leader and sick_lead.backing_off
+        assert sick.stats.failed_ticks == 3
+        assert "gives up the lead: 3 control-loop ticks failed in a row" in caplog.text
+        assert len(advisory_holders(leader_engine)) == 1
+    finally:
+        sick.stop(timeout=5)
+        healthy.stop(timeout=5)
+
+
+def test_the_service_loops_step_down_together_and_say_why_in_an_event(
+    migrated_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fleet/control.py: the four loops share one StepDown; failed provisioner ticks (the
+    loop that ticks most) make the process give up the lead, with a service.follower Event."""
+    from pydantic import SecretStr
+
+    from fleet import control
+    from fleet.crypto import SecretBox
+    from fleet.settings import Settings
+
+    def pool_exhausted(*_: object, **__: object) -> None:
+        raise sa.exc.TimeoutError("QueuePool limit of size 10 overflow 10 reached")
+
+    monkeypatch.setattr(control, "provision_once", pool_exhausted)
+    settings = Settings(
+        data_dir=tmp_path,
+        database_url=migrated_engine.url.render_as_string(hide_password=False),
+        secret_key=SecretStr(TEST_SECRET_KEY.decode()),
+        leader_lease_s=LEASE_S,
+        leader_step_down_failures=2,
+    )
+    loops = control.build_loops(settings, migrated_engine, SecretBox(TEST_SECRET_KEY))
+    reconciler, provisioner = loops[0], loops[1]
+    try:
+        assert reconciler.run_once() is True  # leads: the service.leader Event
+        assert provisioner.run_once() is True
+        assert advisory_holders(migrated_engine) != []
+        assert provisioner.run_once() is True  # the second failure in a row: it steps down
+        assert advisory_holders(migrated_engine) == []
+        assert [loop.run_once() for loop in loops] == [False] * 4
+        with Session(migrated_engine) as session:
+            events = session.exec(
+                sqlmodel.select(Event).where(col(Event.subject_type) == "service")
+            ).all()
+        assert [e.kind for e in events] == ["service.leader", "service.follower"]
+        follower = events[1]
+        assert "gave up the lead" in follower.message
+        assert "2 control-loop ticks failed in a row" in follower.details["reason"]
+        assert "provisioner: TimeoutError" in follower.details["reason"]
+    finally:
+        for loop in loops:
+            loop.stop(timeout=5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ def redfish_bmc(
     bmc: dict[str, Any] = {
         "protocol": "redfish",
         "address": "http://127.0.0.1",
+        "plain_http": True,  # the emulator and the fakes have no TLS
         "port": port,
         "username": USER,
         "password": password,

@@ -481,12 +481,14 @@ def test_the_quality_probe_records_a_reference_then_drains_on_a_wrong_answer(
 ) -> None:
     [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
     serve(db, name)
-    agent_reports(db, name, agent_url="http://10.0.0.9:9410")
-    asked: list[tuple[str, dict[str, Any]]] = []
+    key = "agent-key-of-the-test-0123456789"  # the agent sent it at registration
+    sealed = BOX.encrypt(key)
+    agent_reports(db, name, agent_url="http://10.0.0.9:9410", agent_api_key_encrypted=sealed)
+    asked: list[tuple[str, dict[str, Any], str | None]] = []
     answer = {"text": "2, 3, 5, 7, 11"}
 
-    def ask(url: str, body: dict[str, Any]) -> dict[str, Any]:
-        asked.append((url, body))
+    def ask(url: str, body: dict[str, Any], key: str | None) -> dict[str, Any]:
+        asked.append((url, body, key))
         return {
             "answers": [
                 {"replica": 0, "text": answer["text"], "error": None},
@@ -496,6 +498,7 @@ def test_the_quality_probe_records_a_reference_then_drains_on_a_wrong_answer(
 
     provision_once(db, BOX, settings(), drivers=Bmc, ask_agent=ask)
     assert asked and asked[0][0] == "http://10.0.0.9:9410"
+    assert asked[0][2] == key  # the fleet presents the agent's key (decrypted) to /probe
     assert row(db, name).state == S.SERVING  # the first answer is the reference
     provision_once(db, BOX, settings(), drivers=Bmc, ask_agent=ask)
     assert len(asked) == 1  # not due again before the interval

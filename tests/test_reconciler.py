@@ -87,6 +87,7 @@ def redfish_server(
         u_position=1 + 8 * len(session.exec(select(Server)).all()),
         bmc_protocol=BmcProtocol.REDFISH,
         bmc_address="http://127.0.0.1",
+        bmc_plain_http=True,
         bmc_port=emulator.port,
         bmc_username=emulator.username,
         bmc_system_id=system,
@@ -198,6 +199,7 @@ def test_a_dead_bmc_is_marked_unreachable_after_k_failures_then_backs_off(
         "warm",
         bmc_protocol=BmcProtocol.REDFISH,
         bmc_address="http://127.0.0.1",
+        bmc_plain_http=True,
         bmc_port=closed_port(),
         bmc_password_encrypted=BOX.encrypt(RF_PASSWORD),
     )

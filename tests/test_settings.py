@@ -290,3 +290,50 @@ def test_postgres_check_migrated_before_and_after_upgrade(empty_pg: str, tmp_pat
         create_app(settings, engine)
     finally:
         engine.dispose()
+
+
+# ---------------------------------------------------------------------------------------------
+# The pool and the API's admission, sized together (docs/api.md)
+
+
+def test_admission_cap_leaves_the_loops_their_connections(env: Path) -> None:
+    from fleet.settings import LOOP_CONNECTIONS
+
+    settings = Settings()
+    pool = settings.db_pool_size + settings.db_max_overflow
+    assert settings.api_max_in_flight <= pool - LOOP_CONNECTIONS
+    # The most a pool allows, and one more.
+    assert Settings(db_pool_size=10, db_max_overflow=0, api_max_in_flight=4).api_max_in_flight
+    with pytest.raises(ValidationError, match="at most FLEET_DB_POOL_SIZE"):
+        Settings(db_pool_size=10, db_max_overflow=0, api_max_in_flight=5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"api_max_in_flight": 100}, "FLEET_API_MAX_IN_FLIGHT must be at most"),
+        ({"db_pool_size": 3, "db_max_overflow": 0}, "must exceed"),
+        ({"shutdown_grace_s": 10, "shutdown_timeout_s": 8}, "FLEET_SHUTDOWN_TIMEOUT_S"),
+    ],
+)
+def test_capacity_settings_that_could_wedge_are_refused(
+    env: Path, overrides: dict[str, float], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Settings.model_validate(overrides)
+
+
+def test_the_service_engine_has_the_configured_pool(env: Path, tmp_path: Path) -> None:
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'pool.db'}",
+        db_pool_size=12,
+        db_max_overflow=3,
+        db_pool_timeout_s=1.5,
+    )
+    engine = db.engine_from_settings(settings)
+    try:
+        pool = engine.pool
+        assert isinstance(pool, sa.pool.QueuePool)
+        assert (pool.size(), pool._max_overflow, pool._timeout) == (12, 3, 1.5)
+    finally:
+        engine.dispose()

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import json
+from datetime import datetime, timedelta
+from pathlib import Path
+
 import pytest
 from factories import add_rack, add_server, add_site
+from live import database_env, serve
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
+from typer.testing import CliRunner
 
+import cli
 from fleet.auth import (
+    MAX_LIFETIME,
     MAX_TOKEN_NAME,
     authenticate,
     create_token,
     hash_token,
     list_tokens,
+    parse_lifetime,
     revoke_token,
 )
 from fleet.errors import FleetError, NotFoundError
-from fleet.models import ApiToken, Event, Role
+from fleet.models import ApiToken, Event, Role, as_utc, utcnow
 
 
 def test_token_is_stored_only_as_its_hash(session: Session) -> None:
@@ -98,3 +108,86 @@ def test_token_names_are_1_to_80_characters(session: Session) -> None:
     assert principal is not None and principal.actor == f"operator:{longest}"
     [event] = session.exec(select(Event)).all()
     assert (event.kind, event.subject) == ("token.created", longest)
+
+
+# -- lifetimes --------------------------------------------------------------------------------
+
+
+def test_lifetimes_parse_days_hours_and_minutes_and_refuse_the_rest() -> None:
+    assert parse_lifetime("90d") == timedelta(days=90)
+    assert parse_lifetime("12h") == timedelta(hours=12)
+    assert parse_lifetime(" 30m ") == timedelta(minutes=30)
+    assert parse_lifetime("3650d") == MAX_LIFETIME
+    for text in ("", "90", "d", "0d", "-1d", "1.5h", "1w", "90 days", "1d2h", "99999999d"):
+        with pytest.raises(FleetError, match="--expires-in"):
+            parse_lifetime(text)
+
+
+def test_an_expired_token_answers_like_a_revoked_one(session: Session) -> None:
+    token = create_token(session, "ci", Role.OPERATOR, expires_in=timedelta(hours=1))
+    forever = create_token(session, "ops", Role.OPERATOR)
+    session.commit()
+    [row] = session.exec(select(ApiToken).where(ApiToken.name == "ci")).all()
+    assert row.expires_at is not None
+    expires_at = as_utc(row.expires_at)
+    assert authenticate(session, token) is not None  # now: an hour to go
+    assert authenticate(session, token, now=expires_at - timedelta(seconds=1)) is not None
+    assert authenticate(session, token, now=expires_at) is None
+    assert authenticate(session, token, now=expires_at + timedelta(days=400)) is None
+    # A token without a lifetime never expires.
+    assert authenticate(session, forever, now=expires_at + timedelta(days=4000)) is not None
+    with pytest.raises(FleetError, match="lifetime"):
+        create_token(session, "x", Role.VIEWER, expires_in=timedelta(0))
+
+
+def test_a_token_whose_expiry_has_passed_gets_401_from_the_api(
+    db: Engine, session: Session, tmp_path: Path
+) -> None:
+    token = create_token(session, "short", Role.VIEWER, expires_in=timedelta(minutes=30))
+    session.commit()
+    with serve(db, tmp_path, run_loops=False) as live:
+        client = live.client(token)
+        assert client.get("/api/v1/sites").status_code == 200
+        [row] = session.exec(select(ApiToken)).all()
+        row.expires_at = utcnow() - timedelta(seconds=1)  # as if the half hour had gone by
+        session.add(row)
+        session.commit()
+        reply = client.get("/api/v1/sites")
+    assert reply.status_code == 401, reply.text
+    assert reply.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_the_expiry_is_recorded_and_listed(session: Session) -> None:
+    create_token(session, "ci", Role.VIEWER, expires_in=timedelta(days=90))
+    create_token(session, "ops", Role.VIEWER)
+    session.commit()
+    ci, ops = list_tokens(session)
+    assert ops.expires_at is None and not ops.expired
+    assert ci.expires_at is not None and not ci.expired
+    expires_at = datetime.fromisoformat(ci.expires_at)
+    assert timedelta(days=89) < expires_at - utcnow() <= timedelta(days=90)
+    later, _ = list_tokens(session, now=expires_at + timedelta(seconds=1))
+    assert later.expired
+    event = session.exec(select(Event).where(Event.subject == "ci")).one()
+    assert event.details["expires_at"] == ci.expires_at
+    assert "expires" in event.message
+
+
+def test_fleetctl_token_create_expires_in_and_list_shows_it(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = CliRunner()
+    with database_env(db, monkeypatch):
+        made = runner.invoke(
+            cli.app, ["token", "create", "--role", "viewer", "--name", "ci", "--expires-in", "90d"]
+        )
+        assert made.exit_code == 0, made.stderr
+        assert made.stdout.startswith("flt_")
+        bad = runner.invoke(cli.app, ["token", "create", "--role", "viewer", "--expires-in", "1y"])
+        listed = runner.invoke(cli.app, ["token", "list", "-o", "json"])
+        table = runner.invoke(cli.app, ["token", "list"])
+    assert bad.exit_code == 1 and "--expires-in '1y'" in bad.stderr and "90d" in bad.stderr
+    [row] = json.loads(listed.stdout)
+    assert row["expired"] is False
+    assert timedelta(days=89) < datetime.fromisoformat(row["expires_at"]) - utcnow()
+    assert "expires" in table.stdout and "expired" in table.stdout

@@ -23,9 +23,12 @@ ONE_AT_A_TIME = frozenset(
         "test_demo.py",
         "test_lab.py",
         "test_leader.py",
+        "test_load.py",
         "test_prometheus.py",
         "test_provisioning_e2e.py",
+        "test_schemathesis.py",
         "test_secrets.py",
+        "test_tls.py",
     }
 )
 GROUP = "one-at-a-time"

@@ -101,7 +101,9 @@ def check_engine_params(params: Mapping[str, Any]) -> None:
             f"or a mapping under {PASS_THROUGH_KEY!r}"
         )
     backend = params.get("backend")
-    if backend is not None and backend not in BACKENDS:
+    # A string first: `{} in BACKENDS` is a TypeError (unhashable), not the ValueError callers
+    # catch.
+    if backend is not None and (not isinstance(backend, str) or backend not in BACKENDS):
         raise ValueError(f"engine_params.backend {backend!r}: expected one of {sorted(BACKENDS)}")
     for key in INT_FLAGS:
         value = params.get(key)

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 from sqlalchemy.engine import Engine
-from starlette.responses import Response
 
 import fleet
 from fleet import db
+from fleet.api.access import AccessMiddleware, log_answer
+from fleet.api.admission import Admission
+from fleet.api.edge import EdgeMiddleware, Limits
 from fleet.api.metrics import FleetCollector, HttpMetrics, LoopCollector
+from fleet.api.openapi import AllowEveryMethod, document
 from fleet.api.routes import (
     agent,
     autoscaler,
@@ -33,9 +36,11 @@ from fleet.api.routes import (
     sites,
 )
 from fleet.api.routes import events as events_routes
+from fleet.api.routes.health import Readiness
 from fleet.control import build_loops
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError, ValidationFailed
+from fleet.loops import stop_all
 from fleet.settings import Settings, get_settings
 from fleet.validation import error_messages
 
@@ -58,7 +63,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (403, "The token's role may not do this"),
         (404, "No such object"),
         (409, "Conflict: an illegal move, a duplicate, a concurrent change"),
+        (413, "Request body over the route's limit (refused before it is read)"),
         (422, "Invalid input"),
+        (503, "Database unavailable or the service at capacity: retry after `Retry-After` s"),
     )
 }
 access_log = logging.getLogger("fleet.access")
@@ -83,16 +90,23 @@ def create_app(
 
     # The singleton loops run while the server runs (and only in the leader: fleet/leader.py).
     loops = build_loops(settings, engine, box) if settings.run_loops else []
+    readiness = Readiness(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Every admitted request can have a worker thread (fleet/api/admission.py).
+        limiter = to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, settings.api_max_in_flight + 1)
+        readiness.start()
         for loop in loops:
             loop.start()
         try:
             yield
         finally:
-            for loop in loops:
-                loop.stop(timeout=settings.bmc_total_timeout_s)
+            # Within the shutdown bound (cli.py's `serve` has a watchdog past it): a tick stuck
+            # in a BMC call is left behind rather than waited for.
+            stop_all(loops, max(1.0, settings.shutdown_timeout_s - settings.shutdown_grace_s - 1))
+            readiness.stop()
 
     app = FastAPI(
         title="Fleet",
@@ -102,33 +116,44 @@ def create_app(
     )
     app.state.settings, app.state.engine, app.state.box = settings, engine, box
     app.state.loops = loops
+    app.state.readiness = readiness
     registry = CollectorRegistry()
     registry.register(FleetCollector(engine))
     registry.register(LoopCollector(loops))
     app.state.registry = registry
     http_metrics = HttpMetrics(registry)
 
-    @app.middleware("http")
-    async def access(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        start = time.perf_counter()
-        response = await call_next(request)
-        seconds = time.perf_counter() - start
-        http_metrics.observe(request, response.status_code, seconds)
-        # Method, path and status only: bodies (which may carry BMC passwords) are never logged.
-        access_log.info(
-            "%s %s %d %.1fms",
-            request.method,
-            request.url.path,
-            response.status_code,
-            seconds * 1000,
-        )
-        return response
+    # Innermost first (each add_middleware wraps what is there, Admission below wraps all):
+    # the edge refuses what it must before reading the body (fleet/api/edge.py); the access
+    # middleware logs and counts every answer and answers every exception (fleet/api/access.py).
+    # A 405 lists every method of the path (fleet/api/openapi.py); innermost, it only edits one.
+    app.add_middleware(AllowEveryMethod, routes=app.router.routes)
+    limits = Limits(settings.max_body_bytes, settings.max_inventory_bytes)
+    app.add_middleware(EdgeMiddleware, engine=engine, limits=limits)
+    app.add_middleware(
+        AccessMiddleware, metrics=http_metrics, retry_after_s=settings.api_retry_after_s
+    )
+
+    # API requests in flight are capped below what the pool and the worker threads can carry:
+    # past the cap a short wait, then 503 + Retry-After (docs/api.md). Added after the other
+    # middleware, so that it wraps them all (some touch the database): keep it last.
+    def refused(scope: Any, seconds: float) -> None:
+        http_metrics.record(scope, 503, seconds)
+        log_answer(scope, 503, seconds, "at capacity")
+
+    app.add_middleware(
+        Admission,
+        limit=settings.api_max_in_flight,
+        wait_s=settings.api_admission_wait_s,
+        retry_after_s=settings.api_retry_after_s,
+        on_refused=refused,
+    )
 
     @app.exception_handler(ValidationFailed)
     async def _invalid(_: Request, exc: ValidationFailed) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "errors": exc.errors}, status_code=422)
+        # 422, or 400 for rules no schema states (RulesBroken).
+        body = {"detail": str(exc), "errors": exc.errors}
+        return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(FleetError)
     async def _fleet_error(_: Request, exc: FleetError) -> JSONResponse:
@@ -156,4 +181,6 @@ def create_app(
         routing,
     ):
         app.include_router(module.router, prefix="/api/v1", responses=ERROR_RESPONSES)
+    # The schema states what the edge refuses, and the inventory file's shape (openapi.py).
+    app.openapi = document(app)  # type: ignore[method-assign]
     return app

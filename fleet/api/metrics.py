@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
 from starlette.requests import Request
+from starlette.types import Scope
 
 from fleet.bmc import metrics as bmc_metrics
 from fleet.loops import SingletonLoop
@@ -133,7 +134,11 @@ class HttpMetrics:
         )
 
     def observe(self, request: Request, status: int, seconds: float) -> None:
+        self.record(request.scope, status, seconds)
+
+    def record(self, scope: Scope, status: int, seconds: float) -> None:
         # The route template, not the path: /servers/{name}, so label values stay bounded.
-        template = getattr(request.scope.get("route"), "path", "unmatched")
-        self.requests.labels(request.method, template, str(status)).inc()
-        self.latency.labels(request.method, template).observe(seconds)
+        # Requests answered before routing (refused at the edge, unknown paths): "unmatched".
+        template = getattr(scope.get("route"), "path", "unmatched")
+        self.requests.labels(scope["method"], template, str(status)).inc()
+        self.latency.labels(scope["method"], template).observe(seconds)

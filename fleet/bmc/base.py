@@ -37,7 +37,7 @@ class BmcUnreachable(BmcError):
 
 
 class BmcAuthFailed(BmcError):
-    """The BMC refused the credentials (update them with PATCH /servers/{name})."""
+    """The BMC refused the credentials (an admin updates them with PATCH /servers/{name})."""
 
 
 class BmcUnsupported(BmcError):
@@ -52,6 +52,11 @@ class BmcTransient(BmcError):
 
 class BmcProtocolError(BmcError):
     """The BMC answered something this driver cannot make sense of."""
+
+
+class BmcRefused(BmcError):
+    """The fleet will not make this call at all, so nothing was sent: no password is stored
+    (its BMC endpoint changed), or Redfish over plain HTTP without the inventory's opt-in."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,6 +87,9 @@ class BmcTarget:
     verify_tls: bool = True
     ca_bundle: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
+    # Redfish over http:// (the password in clear) only when the server's inventory entry
+    # says so (`bmc.plain_http`); otherwise such an address is refused.
+    plain_http: bool = False
 
     def describe(self) -> str:
         system = f" system {self.system_id}" if self.system_id else ""

@@ -17,9 +17,11 @@ How this driver uses the library, and why:
   accepted by `requests`), else `REQUESTS_CA_BUNDLE`/`CURL_CA_BUNDLE` from the environment, else
   certifi's bundle. Verification is off only when `target.verify_tls` is False.
 - Authentication: a Redfish session (`X-Auth-Token`) when the service root offers a
-  SessionService (or answers 401 itself), falling back to basic auth if session creation fails
-  for any reason other than the network; basic auth straight away when there is no
-  SessionService (sushy-tools has none).
+  SessionService (or answers 401 itself); a failed session login is an error, never a retry
+  with basic auth (that would only send the password once more, to a BMC that is broken or
+  not who it claims to be). Basic auth only when there is no SessionService (sushy-tools has
+  none). Plain HTTP only for a server whose inventory entry opts in (`bmc.plain_http`):
+  `base_url` refuses an http:// address otherwise, before anything is sent.
   Logging in is lazy (first call); `close()` deletes the session.
 
 PowerState mapping: "On" -> on, "Off" -> off; the transitional "PoweringOn" -> on and
@@ -60,6 +62,7 @@ from fleet.bmc.base import (
     BmcError,
     BmcInfo,
     BmcProtocolError,
+    BmcRefused,
     BmcTarget,
     BmcTransient,
     BmcUnreachable,
@@ -115,19 +118,33 @@ RESET_HARD_CYCLE = ("ForceRestart", "PowerCycle")
 
 
 def base_url(target: BmcTarget) -> str:
-    """scheme://host:port for `target`: https unless `address` carries a scheme; a port in the
-    address wins over `target.port`; any path in the address is dropped."""
+    """scheme://host:port for `target`: https unless the server opted into plain HTTP
+    (`target.plain_http`: http for a bare host) or `address` carries a scheme; a port in the
+    address wins over `target.port`; any path (and user info) in the address is dropped.
+
+    Plain HTTP sends the password in clear, so an http:// address without the opt-in is
+    refused (BmcRefused): nothing is sent."""
     address = target.address.strip()
     if "://" not in address:
         host = address
         if ":" in host and not host.startswith("["):  # a bare IPv6 address
             host = f"[{host}]"
-        return f"https://{host}:{target.port}"
+        return f"{'http' if target.plain_http else 'https'}://{host}:{target.port}"
     parts = urllib.parse.urlsplit(address)
-    netloc = parts.netloc
-    if parts.port is None:
-        netloc = f"{netloc}:{target.port}"
-    return f"{parts.scheme}://{netloc}"
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise BmcRefused(target, "the BMC address is not an http(s) URL or a host name")
+    if scheme == "http" and not target.plain_http:
+        raise BmcRefused(
+            target,
+            "Redfish over plain HTTP (http://) would send the BMC password in clear: use "
+            "https, or opt this server in with `bmc: {plain_http: true}` in its inventory "
+            "entry (only for a BMC without TLS, such as a lab emulator); nothing was sent",
+        )
+    host = parts.hostname
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{parts.port if parts.port is not None else target.port}"
 
 
 def ca_file(target: BmcTarget) -> str | None:
@@ -532,7 +549,7 @@ class RedfishDriver(PowerDriver):
             return BmcAuthFailed(
                 self.target,
                 f"HTTP {status} on {what}: the BMC refused user {self.target.username!r} "
-                "(check the BMC credentials; update them with PATCH /servers/{name})",
+                "(check the BMC credentials; an admin updates them with PATCH /servers/{name})",
             )
         if status == 501:
             return BmcUnsupported(self.target, f"{what}: not implemented by the BMC (HTTP 501)")
@@ -619,30 +636,36 @@ class RedfishDriver(PowerDriver):
             or (isinstance(links, dict) and "Sessions" in links)
         )
         if offers_sessions:
+            # No fallback to basic auth: a BMC that offers sessions and refuses one is broken
+            # or not who it claims to be, and a retry would only send the password again.
             try:
                 client.login(auth=redfish.AuthMethod.SESSION)
-                return "session"
             except Exception as exc:
-                mapped = self._map_exception(exc, "the session login")
-                if isinstance(mapped, BmcUnreachable):
-                    raise mapped from exc
-                log.info(
-                    "%s: session login failed (%s); trying basic auth",
-                    self.target.server,
-                    _one_line(exc, 120),
+                raise self._login_error(exc, "the session login") from exc
+            if not client.get_session_key():
+                raise BmcProtocolError(
+                    self.target, "the session login answered without a session token"
                 )
-                client.set_session_key(None)
+            return "session"
+        # No SessionService: basic auth on every request. base_url() has already refused
+        # plain HTTP unless the server opted in, so this is over TLS or in the lab.
         try:
             client.login(auth=redfish.AuthMethod.BASIC)
-        except InvalidCredentialsError as exc:
-            raise BmcAuthFailed(
-                self.target,
-                f"the BMC refused user {self.target.username!r} (HTTP 401; check the BMC "
-                "credentials, update them with PATCH /servers/{name})",
-            ) from exc
         except Exception as exc:
-            raise self._map_exception(exc, "the basic-auth login") from exc
+            raise self._login_error(exc, "the basic-auth login") from exc
         return "basic"
+
+    def _login_error(self, exc: BaseException, what: str) -> BmcError:
+        if isinstance(exc, InvalidCredentialsError):
+            return BmcAuthFailed(
+                self.target,
+                f"the BMC refused user {self.target.username!r} on {what} (HTTP 401; check "
+                "the BMC credentials; an admin updates them with PATCH /servers/{name})",
+            )
+        mapped = self._map_exception(exc, what)
+        if type(mapped) is BmcProtocolError and what == "the session login":
+            return BmcProtocolError(self.target, f"{mapped.cause} (no fallback to basic auth)")
+        return mapped
 
     def close(self) -> None:
         """Delete the Redfish session (if any) and close the connection pool."""

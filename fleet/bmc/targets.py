@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from fleet.bmc.base import BmcTarget, Timeouts
+from dataclasses import replace
+
+from fleet.bmc.base import BmcRefused, BmcTarget, Timeouts
 from fleet.crypto import SecretBox
 from fleet.models import BmcProtocol, Server
+from fleet.servers import has_bmc_password
 from fleet.settings import Settings
 
 
@@ -18,15 +21,26 @@ def timeouts_from(settings: Settings) -> Timeouts:
 
 
 def target_for(server: Server, box: SecretBox, settings: Settings) -> BmcTarget:
-    return BmcTarget(
+    """The server's BMC with its password; BmcRefused (nothing sent) when none is stored."""
+    target = BmcTarget(
         server=server.name,
         protocol=BmcProtocol(server.bmc_protocol),
         address=server.bmc_address,
         port=server.bmc_port,
         username=server.bmc_username,
-        password=box.decrypt(server.bmc_password_encrypted),
+        password="",
         system_id=server.bmc_system_id,
         verify_tls=settings.bmc_verify_tls,
         ca_bundle=str(settings.bmc_ca_bundle) if settings.bmc_ca_bundle else None,
         timeouts=timeouts_from(settings),
+        plain_http=server.bmc_plain_http,
     )
+    if not has_bmc_password(server):
+        # Dropped when the BMC endpoint changed: never try the new endpoint without one.
+        raise BmcRefused(
+            target,
+            f"no BMC password for {server.name}: set one (admin) with PATCH "
+            f'/api/v1/servers/{server.name} {{"bmc_password": …}} or an inventory import '
+            "(it was dropped when the BMC endpoint changed; nothing was sent)",
+        )
+    return replace(target, password=box.decrypt(server.bmc_password_encrypted))

@@ -16,10 +16,10 @@ from sqlmodel import Session, select
 
 from fleet import lifecycle
 from fleet.crypto import SecretBox
-from fleet.errors import ValidationFailed
+from fleet.errors import ForbiddenError, RulesBroken
 from fleet.events import record_update
 from fleet.gpu_specs import BUILTIN
-from fleet.inventory.schema import DeploymentIn, InventoryFile, ServerIn
+from fleet.inventory.schema import DeploymentIn, InventoryFile, ServerIn, bounded
 from fleet.models import (
     Deployment,
     DeploymentCreate,
@@ -35,6 +35,7 @@ from fleet.models import (
 )
 from fleet.power import Feed, ServerDraw, rack_power, side_watts
 from fleet.racks import to_feed
+from fleet.servers import NO_PASSWORD, BmcEndpoint, has_bmc_password, record_endpoint_change
 from fleet.validation import messages_under
 
 Kind = Literal["gpu_model", "site", "rack", "feed", "server", "deployment"]
@@ -81,6 +82,14 @@ class _Plan:
     deployments: dict[str, DeploymentCreate] = field(default_factory=dict)
     # Where each row came from in the file, for error messages.
     places: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Existing servers whose stored BMC password the import replaces ("set") or drops
+    # ("dropped": its endpoint moves and the file gives none), and the credential changes
+    # only an admin may make (place, server, fields).
+    passwords: dict[str, str] = field(default_factory=dict)
+    # Existing servers whose password in the file was not looked at (a caller who may not
+    # change credentials: _password_change).
+    ignored_passwords: list[str] = field(default_factory=list)
+    credential_changes: list[tuple[str, str, list[str]]] = field(default_factory=list)
 
 
 @dataclass
@@ -118,6 +127,7 @@ def _server_spec(server: ServerIn, rack: str, where: str, errors: list[str]) -> 
             bmc_username=server.bmc.username,
             bmc_password=server.bmc.password,
             bmc_system_id=server.bmc.system_id,
+            bmc_plain_http=server.bmc.plain_http,
             gpu_model=server.gpu.model,
             gpu_count=server.gpu.count,
             gpu_memory_mib=server.gpu.memory_mib or 0,
@@ -134,7 +144,7 @@ def _server_spec(server: ServerIn, rack: str, where: str, errors: list[str]) -> 
 
 def _deployment_spec(dep: DeploymentIn, where: str, errors: list[str]) -> DeploymentCreate | None:
     try:
-        return DeploymentCreate(
+        spec = DeploymentCreate(
             name=dep.name,
             model_uri=dep.model.uri,
             model_checksum=dep.model.checksum,
@@ -150,6 +160,9 @@ def _deployment_spec(dep: DeploymentIn, where: str, errors: list[str]) -> Deploy
     except ValidationError as exc:
         errors.extend(messages_under(where, exc))
         return None
+    problems = spec.rule_problems()
+    errors.extend(f"{where}: {problem}" for problem in problems)
+    return None if problems else spec
 
 
 def _collect(inv: InventoryFile, existing: _Existing, errors: list[str]) -> _Plan:
@@ -323,6 +336,33 @@ def _server_fields(spec: ServerCreate, rack_id: int | None) -> dict[str, Any]:
     return fields
 
 
+def _password_change(
+    srv: Server, spec: ServerCreate, box: SecretBox, *, compare: bool
+) -> str | None:
+    """What an import does to an existing server's stored BMC password: "set" (the file gives
+    another one), "dropped" (its BMC endpoint moves and the file gives none: the password goes
+    only to the BMC it was given for), "ignored" (see below) or None (kept).
+
+    Only a caller who may change credentials (`compare`: admins) learns whether a password
+    in the file equals the stored one: for anyone else an answer that differed by it would be
+    an oracle for guessing the stored password. Their file's password is ignored where the
+    endpoint stays and one is stored (re-importing a file that carries passwords still works),
+    and is a change of credentials otherwise."""
+    given = spec.bmc_password
+    moved = BmcEndpoint.of(spec).moved_from(BmcEndpoint.of(srv))
+    if given is not None:
+        if not compare:  # whether one is stored is no secret (bmc_password_set)
+            return "set" if moved or not has_bmc_password(srv) else "ignored"
+        if has_bmc_password(srv) and (
+            box.decrypt(srv.bmc_password_encrypted) == given.get_secret_value()
+        ):
+            return None
+        return "set"
+    if has_bmc_password(srv) and moved:
+        return "dropped"
+    return None
+
+
 def _warnings(plan: _Plan, existing: _Existing) -> list[str]:
     """Racks whose servers could exceed the budget with every one at max draw."""
     rack_names = {r.id: n for n, r in existing.racks.items()}
@@ -374,7 +414,7 @@ def _one_import_at_a_time(session: Session) -> None:
 
 
 def plan(
-    session: Session, inv: InventoryFile, box: SecretBox
+    session: Session, inv: InventoryFile, box: SecretBox, *, credentials_allowed: bool = True
 ) -> tuple[ImportReport, _Plan, _Existing]:
     """Validate `inv` against the fleet and compute what an import would change (no writes)."""
     _one_import_at_a_time(session)
@@ -383,7 +423,7 @@ def plan(
     desired = _collect(inv, existing, errors)
     _check(desired, existing, errors)
     if errors:
-        raise ValidationFailed(errors)
+        raise RulesBroken(bounded(errors), total=len(errors))
 
     changes: list[Change] = []
     created = dict.fromkeys(KINDS, 0)
@@ -426,10 +466,17 @@ def plan(
         if sobj is not None:
             fields = _diff(sobj, _server_fields(row.spec, rack_ids.get(row.spec.rack)))
             fields = ["rack" if f == "rack_id" else f for f in fields]
-            if row.spec.bmc_password is not None and (
-                box.decrypt(sobj.bmc_password_encrypted) != row.spec.bmc_password.get_secret_value()
-            ):
+            password = _password_change(sobj, row.spec, box, compare=credentials_allowed)
+            if password == "ignored":
+                desired.ignored_passwords.append(name)
+            elif password is not None:
                 fields.append("bmc_password")
+                desired.passwords[name] = password
+            credentials = [
+                f for f in fields if f == "bmc_username" or (f, password) == ("bmc_password", "set")
+            ]
+            if credentials:
+                desired.credential_changes.append((row.where, name, credentials))
         record("server", name, sobj, fields)
     for name, d in desired.deployments.items():
         dobj = existing.deployments.get(name)
@@ -437,13 +484,24 @@ def plan(
             "deployment", name, dobj, _diff(dobj, d.model_dump(exclude={"name"})) if dobj else []
         )
 
+    dropped = sorted(n for n, p in desired.passwords.items() if p == "dropped")
     report = ImportReport(
         dry_run=True,
         created=created,
         updated=updated,
         unchanged=unchanged,
         changes=changes,
-        warnings=_warnings(desired, existing),
+        warnings=_warnings(desired, existing)
+        + [
+            f"server {n}: its BMC endpoint changes and the file gives no password: the stored "
+            "one is dropped and BMC actions on it fail until an admin sets one"
+            for n in dropped
+        ]
+        + [
+            f"server {n}: bmc.password ignored (only admins change BMC credentials); the "
+            "stored one is kept"
+            for n in desired.ignored_passwords
+        ],
     )
     return report, desired, existing
 
@@ -527,13 +585,24 @@ def _apply(
             new_servers.append(srv)
             continue
         changed = changed_fields[("server", name)]
+        before = BmcEndpoint.of(srv)
         for k, v in values.items():
             setattr(srv, k, v)
-        if "bmc_password" in changed and row.spec.bmc_password is not None:
+        after = BmcEndpoint.of(srv)
+        password = desired.passwords.get(name)
+        if password == "set" and row.spec.bmc_password is not None:
             srv.bmc_password_encrypted = box.encrypt(row.spec.bmc_password.get_secret_value())
-        record_update(
-            session, srv, "server", name, changed, actor, "updated from an inventory file", now
-        )
+        elif password == "dropped":
+            srv.bmc_password_encrypted = NO_PASSWORD
+        message = "updated from an inventory file"
+        if after.moved_from(before):
+            kept = "kept" if has_bmc_password(srv) else "none"
+            outcome = {"set": "replaced", "dropped": "dropped"}.get(password or "", kept)
+            record_endpoint_change(
+                session, srv, changed, actor, message, (before, after), outcome, now
+            )
+        else:
+            record_update(session, srv, "server", name, changed, actor, message, now)
         if {"gpu_model", "gpu_count", "gpu_memory_mib"} & set(changed):
             _reconcile_gpus(session, srv)
     session.flush()
@@ -606,11 +675,38 @@ def _reconcile_gpus(session: Session, server: Server) -> None:
             )
 
 
+def check_credentials(desired: _Plan, allowed: bool) -> None:
+    """ForbiddenError when the plan changes existing servers' BMC credentials (a username, or
+    a password other than the stored one) and the caller may not: only admins may."""
+    if allowed or not desired.credential_changes:
+        return
+    shown = [
+        f"{where} ({name}): {', '.join(fields)}"
+        for where, name, fields in desired.credential_changes[:5]
+    ]
+    more = len(desired.credential_changes) - len(shown)
+    raise ForbiddenError(
+        "changing the BMC credentials of existing servers needs the admin role: "
+        + "; ".join(shown)
+        + (f"; and {more} more" if more > 0 else "")
+        + " (leave a password out to keep the stored one)"
+    )
+
+
 def import_inventory(
-    session: Session, inv: InventoryFile, box: SecretBox, actor: str, *, dry_run: bool = False
+    session: Session,
+    inv: InventoryFile,
+    box: SecretBox,
+    actor: str,
+    *,
+    dry_run: bool = False,
+    credentials_allowed: bool = True,
 ) -> ImportReport:
-    """Validate and (unless dry_run) apply `inv`; the caller's transaction commits or rolls back."""
-    report, desired, existing = plan(session, inv, box)
+    """Validate and (unless dry_run) apply `inv`; the caller's transaction commits or rolls back.
+    A file that changes existing servers' BMC credentials needs `credentials_allowed` (admins),
+    dry run or not."""
+    report, desired, existing = plan(session, inv, box, credentials_allowed=credentials_allowed)
+    check_credentials(desired, credentials_allowed)
     if not dry_run:
         apply_plan(session, report, desired, existing, box, actor)
         report = report.model_copy(update={"dry_run": False})

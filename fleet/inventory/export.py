@@ -74,6 +74,8 @@ def _server(s: Server) -> dict[str, Any]:
     }
     if s.bmc_system_id is not None:
         bmc["system_id"] = s.bmc_system_id
+    if s.bmc_plain_http:
+        bmc["plain_http"] = True
     out: dict[str, Any] = {"name": s.name}
     if s.serial is not None:
         out["serial"] = s.serial

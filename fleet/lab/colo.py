@@ -48,6 +48,7 @@ import logging
 import os
 import queue
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -81,7 +82,7 @@ HOST = "127.0.0.1"
 # takes passwords of at most 19 characters.
 LAB_USERNAME = "admin"
 LAB_PASSWORD = "lab-bmc-password"
-# Real GPU servers take 10-15 minutes from power-on to OS ready (shared HARDWARE.md). The lab's
+# Real GPU servers take 10-15 minutes from power-on to OS ready (docs/hardware.md). The lab's
 # default is 20 s: long enough that "booting" is visible in a demo and Fleet's boot handling is
 # exercised, short enough to watch. Tests pass well under a second.
 DEFAULT_BOOT_DELAY_S = 20.0
@@ -349,6 +350,9 @@ class _Node:
     agent_ref: ProcRef | None = None
     agent_url: str | None = None
     token: str | None = None
+    # The agent's local-API key (FLEET_AGENT_API_KEY): the lab knows it to inject faults; the
+    # fleet learns it from the agent's registration. One per server for the lab's life.
+    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     error: str | None = None
 
     @property
@@ -789,6 +793,7 @@ class VirtualColo:
             FLEET_STANDIN_GPU=node.spec.gpu.model,
         )
         env.update(self.agent_env)
+        env["FLEET_AGENT_API_KEY"] = node.api_key  # the key `inject` presents: not overridable
         return env
 
     def _stop_agent(self, node: _Node) -> None:
@@ -991,7 +996,8 @@ class VirtualColo:
             entry["port"] = node.sim.port if node.sim is not None else None
             entry["chassis_dir"] = str(node.sim.dir) if node.sim and node.sim.dir else None
         if node.agent_ref is not None:
-            entry["agent"] = {**asdict(node.agent_ref), "url": node.agent_url}
+            # The key lets `fleetctl lab inject` (another process) reach /faults: lab.json is 0600.
+            entry["agent"] = {**asdict(node.agent_ref), "url": node.agent_url, "key": node.api_key}
         return entry
 
     def _write_state(self) -> None:
@@ -1060,7 +1066,8 @@ class VirtualColo:
         if node.redfish:
             port = self._sushy.port if self._sushy is not None else 0
             bmc = {"protocol": "redfish", "address": f"http://{HOST}", "port": port}
-            bmc["system_id"] = node.system_id
+            # sushy-tools speaks plain HTTP on loopback: the opt-in the fleet asks for.
+            bmc["system_id"], bmc["plain_http"] = node.system_id, True
         else:
             port = node.sim.port if node.sim is not None else 0
             bmc = {"protocol": "ipmi", "address": HOST, "port": port}
@@ -1163,11 +1170,11 @@ def inject_fault(server: str, entry: Mapping[str, Any], fault: Mapping[str, Any]
         why = "still booting" if entry.get("booting") else entry.get("error") or "not started"
         raise LabError(f"{server}: its agent is not up ({why}); try again shortly")
     url = f"{agent['url']}/faults"
+    headers = {"Content-Type": "application/json"}
+    if agent.get("key"):  # /faults needs the agent's key (the lab gave it at start)
+        headers["Authorization"] = f"Bearer {agent['key']}"
     request = urllib.request.Request(
-        url,
-        data=json.dumps(dict(fault)).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
+        url, data=json.dumps(dict(fault)).encode(), headers=headers, method="POST"
     )
     try:
         with urllib.request.urlopen(request, timeout=BMC_READ_TIMEOUT_S) as resp:

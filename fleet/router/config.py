@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleet.router.strategy import DEFAULT_STRATEGY, PREFILL_WEIGHT, STRATEGIES
@@ -21,6 +21,14 @@ class RouterSettings(BaseSettings):
     table_file: Path | None = None
     listen_host: str = "127.0.0.1"
     listen_port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (tests)
+    # TLS (docs/router.md): serve https with this certificate and key. The fleet, agents and
+    # https engines are verified against `ca_bundle` (default: the system's CAs); the client
+    # certificate and key go to agents that require one (FLEET_AGENT_TLS_CLIENT_CA).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    ca_bundle: Path | None = None
+    tls_client_cert: Path | None = None
+    tls_client_key: Path | None = None
     # Router processes sharing the port (SO_REUSEPORT; the kernel spreads connections). Each
     # keeps its own books, as several routers would: see docs/router.md.
     workers: int = Field(default=1, ge=1, le=64)
@@ -69,6 +77,15 @@ class RouterSettings(BaseSettings):
                     f"(one of {', '.join(STRATEGIES)})"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> RouterSettings:
+        for cert, key in (("tls_cert", "tls_key"), ("tls_client_cert", "tls_client_key")):
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                raise ValueError(
+                    f"FLEET_ROUTER_{cert.upper()} and FLEET_ROUTER_{key.upper()} go together"
+                )
+        return self
 
     def strategy_for(self, deployment: str) -> str:
         return self.strategies.get(deployment, self.strategy)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +27,17 @@ from fleet.router.config import RouterSettings
 from fleet.router.estimates import Throughput, prior_capacity, stream_rate
 from fleet.router.pool import DeploymentPool
 from fleet.router.strategy import Replica, make
+from fleet.tls import client_context
 
 log = logging.getLogger(__name__)
 AGENT_MISSES_NOT_READY = 2
+
+
+def client_tls(settings: RouterSettings) -> ssl.SSLContext:
+    """The router's client context, for the polls, the load reports and https engines: the
+    fleet's, agents' and engines' certificates verified against `ca_bundle` (else the system's
+    CAs), and the router's client certificate for agents that require one."""
+    return client_context(settings.ca_bundle, settings.tls_client_cert, settings.tls_client_key)
 
 
 class WorkerView:

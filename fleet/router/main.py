@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 from collections.abc import Callable
 from contextlib import suppress
 
@@ -27,6 +28,7 @@ from aiohttp import web
 
 from fleet.router.config import RouterSettings
 from fleet.router.proxy import Router
+from fleet.tls import server_context
 
 log = logging.getLogger(__name__)
 FIRST_POLL_S = 10.0  # a worker waits this long at most for its first table read to listen
@@ -54,11 +56,18 @@ async def serve(
             with suppress(TimeoutError):
                 await asyncio.wait_for(router.polled.wait(), first_poll_s)
         listening = sock() if callable(sock) else sock
-        site = web.SockSite(runner, listening, backlog=2048)
+        site = web.SockSite(runner, listening, backlog=2048, ssl_context=server_tls(settings))
         await site.start()
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def server_tls(settings: RouterSettings) -> ssl.SSLContext | None:
+    """https when a certificate is configured (FleetError if it does not load)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    return server_context(settings.tls_cert, settings.tls_key)
 
 
 def _socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
@@ -111,6 +120,7 @@ def run(settings: RouterSettings, sock: socket.socket | None = None) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    server_tls(settings)  # a certificate that does not load fails here, before any fork
     sock = sock or bind(settings)
     if settings.workers == 1:
         _tune()

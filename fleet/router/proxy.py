@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleet.router.admission import PRIORITIES, Priority
 from fleet.router.config import RouterSettings
-from fleet.router.discovery import WorkerView
+from fleet.router.discovery import WorkerView, client_tls
 from fleet.router.metrics import RouterMetrics
 from fleet.router.pool import DeploymentPool, NoReplica, QueueFull, Ticket
 from fleet.router.strategy import Request
@@ -83,10 +83,13 @@ class Router:
 
     async def _start(self, _: web.Application) -> None:
         s = self.settings
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        tls = client_tls(s)  # verifies every https peer; never turned off
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ssl=tls)
         self.http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.upstream = UpstreamClient(
-            connect_timeout_s=s.connect_timeout_s, total_timeout_s=s.request_timeout_s
+            connect_timeout_s=s.connect_timeout_s,
+            total_timeout_s=s.request_timeout_s,
+            ssl_context=tls,
         )
         self.view = WorkerView(s, self.http)
         self.view.on_change = self._views_changed

@@ -11,7 +11,7 @@ from sqlmodel import Session, col, select
 from fleet.api.deps import Operator, SessionDep, SettingsDep, Viewer
 from fleet.autoscaler.service import status
 from fleet.errors import NotFoundError
-from fleet.models import Deployment, Event, ScalingDecision, utcnow
+from fleet.models import MAX_REPLICAS, Deployment, Event, OptInt, ScalingDecision, utcnow
 
 router = APIRouter(tags=["autoscaler"])
 
@@ -19,7 +19,7 @@ router = APIRouter(tags=["autoscaler"])
 class ScaleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # Replicas to pin the deployment at (manual mode), or null to hand it back to the autoscaler.
-    replicas: int | None = Field(ge=0, le=100_000)
+    replicas: OptInt = Field(ge=0, le=MAX_REPLICAS)
 
 
 @router.get("/autoscaler")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter
 
 from fleet.api.deps import PagingDep, SessionDep, Viewer
 from fleet.events import EventFilter, list_events
+from fleet.models import IsoDateTime
 
 router = APIRouter(tags=["events"])
 
@@ -21,8 +21,8 @@ def events(
     subject_type: str | None = None,
     subject: str | None = None,
     kind: str | None = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
+    since: IsoDateTime | None = None,
+    until: IsoDateTime | None = None,
 ) -> dict[str, Any]:
     where = EventFilter(subject_type, subject, kind, since, until)
     count, results = list_events(session, where, paging.limit, paging.offset)

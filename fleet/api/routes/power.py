@@ -16,7 +16,7 @@ from sqlmodel import Session
 
 from fleet.api.deps import BoxDep, Operator, SessionDep, SettingsDep
 from fleet.crypto import SecretBox
-from fleet.models import Pool
+from fleet.models import Pool, exactly_one_of
 from fleet.power_control import Action, PowerReport, load_servers, power, verify
 from fleet.servers import ServerFilter, list_servers
 from fleet.settings import Settings
@@ -41,7 +41,7 @@ class SelectServers(BaseModel):
 
 
 class ChooseServers(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=exactly_one_of("servers", "select"))
     servers: list[str] | None = Field(default=None, min_length=1, max_length=MAX_BULK)
     select: SelectServers | None = None
 

@@ -10,6 +10,7 @@ from sqlalchemy.engine import Engine
 
 from fleet import provisioning
 from fleet.api.deps import Operator, SessionDep, Viewer
+from fleet.models import Int
 
 router = APIRouter(tags=["provisioning"])
 
@@ -17,7 +18,7 @@ router = APIRouter(tags=["provisioning"])
 class BootRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     deployment: str = Field(min_length=1, max_length=63)
-    count: int = Field(ge=1, le=1000)
+    count: Int = Field(ge=1, le=1000)
 
 
 class PauseRequest(BaseModel):

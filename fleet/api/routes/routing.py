@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 from fleet.api.deps import SessionDep, Viewer, get_settings, require
 from fleet.auth import Principal
 from fleet.models import Role
-from fleet.routing_table import LoadReport, record_report, routing_table
+from fleet.routing_table import LoadReport, ReportOutcome, record_report, routing_table
 from fleet.settings import Settings
 
 router = APIRouter(tags=["routing"])
@@ -31,7 +31,9 @@ def report(
     body: LoadReport,
     _: Annotated[Principal, Depends(require(Role.ROUTER))],
     session: SessionDep,
-) -> dict[str, Any]:
+) -> ReportOutcome:
     """A router's load per deployment (requests waiting in it, its clients' p95s): autoscaler
-    signals. Needs a router token (or operator, admin)."""
-    return {"recorded": record_report(session, body)}
+    signals. Needs a router token (or operator, admin). Bounded: at most 1000 entries, waiting
+    0 to 100000, p95s finite and at most 3600 s (422 naming the field otherwise); deployments
+    the fleet does not have are ignored and counted in the answer (`ignored`, `unknown`)."""
+    return record_report(session, body)

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any, NoReturn
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, HTTPException, Path, Query, status
 
 from fleet import schedules as service
 from fleet.api.deps import Operator, SessionDep, SettingsDep, Viewer
-from fleet.models import ScheduleEntryCreate, as_utc
+from fleet.models import INT32_MAX, IsoDateTime, ScheduleEntryCreate, as_utc
 
 router = APIRouter(prefix="/schedules", tags=["calendar"])
 Count = Query(default=10, ge=1, le=service.MAX_PREVIEW)
 Start = Query(default=None, description="preview from here (ISO 8601; UTC if no offset)")
+# Entry ids are 32-bit on Postgres: a larger one is no entry (422), not a database error.
+EntryId = Annotated[int, Path(ge=1, le=INT32_MAX)]
 
 
 @router.get("")
@@ -38,33 +40,44 @@ def preview(
     session: SessionDep,
     settings: SettingsDep,
     count: int = Count,
-    start: datetime | None = Start,
+    start: IsoDateTime | None = Start,
 ) -> dict[str, Any]:
     """The next windows of an entry not yet added."""
     return service.preview(session, spec, settings, count=count, start=_utc(start))
 
 
+@router.api_route(
+    "/preview",
+    methods=["GET", "PUT", "PATCH", "DELETE"],
+    include_in_schema=False,
+    response_model=None,
+)
+def preview_is_a_post() -> NoReturn:
+    # Without this, GET /schedules/preview would read "preview" as an entry id (a 422).
+    raise HTTPException(status.HTTP_405_METHOD_NOT_ALLOWED, headers={"Allow": "POST"})
+
+
 @router.get("/{entry_id}")
 def get_entry(
-    entry_id: int, _: Viewer, session: SessionDep, settings: SettingsDep
+    entry_id: EntryId, _: Viewer, session: SessionDep, settings: SettingsDep
 ) -> dict[str, Any]:
     return service.get_entry(session, entry_id, settings)
 
 
 @router.get("/{entry_id}/preview")
 def preview_entry(
-    entry_id: int,
+    entry_id: EntryId,
     _: Viewer,
     session: SessionDep,
     settings: SettingsDep,
     count: int = Count,
-    start: datetime | None = Start,
+    start: IsoDateTime | None = Start,
 ) -> dict[str, Any]:
     return service.preview_entry(session, entry_id, settings, count=count, start=_utc(start))
 
 
 @router.delete("/{entry_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_entry(entry_id: int, user: Operator, session: SessionDep) -> None:
+def delete_entry(entry_id: EntryId, user: Operator, session: SessionDep) -> None:
     service.delete_entry(session, entry_id, user.actor)
 
 

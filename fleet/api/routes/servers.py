@@ -9,7 +9,14 @@ from fastapi import APIRouter
 from fleet import lifecycle
 from fleet.api.deps import BoxDep, Operator, PagingDep, SessionDep, Viewer
 from fleet.errors import NotAnOperatorMove
-from fleet.models import EventPublic, Pool, ServerPublic, ServerUpdate, TransitionRequest
+from fleet.models import (
+    EventPublic,
+    Pool,
+    Role,
+    ServerPublic,
+    ServerUpdate,
+    TransitionRequest,
+)
 from fleet.servers import ServerFilter, get_server, list_gpus, list_servers, update_server
 from fleet.states import OPERATOR_TARGETS, ServerState
 
@@ -41,7 +48,10 @@ def server(name: str, _: Viewer, session: SessionDep) -> ServerPublic:
 def edit_server(
     name: str, update: ServerUpdate, user: Operator, session: SessionDep, box: BoxDep
 ) -> ServerPublic:
-    return update_server(session, name, update, box, user.actor)
+    """403 unless an admin for bmc_username or bmc_password; a new BMC endpoint without a new
+    password drops the stored one (the event names both endpoints)."""
+    admin = user.may(Role.ADMIN)
+    return update_server(session, name, update, box, user.actor, credentials_allowed=admin)
 
 
 @router.post("/servers/{name}/transition")

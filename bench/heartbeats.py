@@ -1,0 +1,542 @@
+"""Agent heartbeats against a real `fleetctl serve` on Postgres: a burst, then open-loop rates.
+
+    .venv/bin/python bench/heartbeats.py [--rates 60,120,180,240,320] [--seconds 15]
+                                         [--burst 200] [--agents 56]
+
+Setup: a throwaway Postgres database on 127.0.0.1:5432, migrated; the demo inventory
+(inventory/demo.yaml, 56 servers) imported; an agent token for each server; `fleetctl serve`
+as a child with its control loops on and its own defaults otherwise (the pool, the admission
+cap and wait: docs/api.md), measured once idle (the reconciler's first sweep done).
+
+Each request is the agent's real heartbeat (agents/daemon.py: 8 GPUs with their telemetry, a
+replica with its stats, the verdict) for one of the servers in turn, on keep-alive connections
+(as agents' HTTP clients keep them), with a 30 s client timeout. Measured:
+
+  burst      `--burst` heartbeats at once on an idle service: answers by status, wall time,
+             p99 of the 200s;
+  open loop  for each rate, requests sent on schedule for `--seconds` whatever the answers
+             (what agents do): answers by status, 200s per second (the sustained rate),
+             p50/p99 of the 200s, and the slowest /healthz of a prober (another process,
+             every 50 ms, a new connection each) during the run.
+
+An answer is 200, or 503 with Retry-After past the admission cap; anything else (another
+status, no answer within 30 s, a 503 without Retry-After) is counted as an error. Never fails
+on timing; exit 1 only when the setup fails or an error is counted.
+
+The pieces (payload, raw HTTP client, open loop, prober) are shared with tests/test_load.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+FLEETCTL = Path(sys.executable).parent / "fleetctl"
+ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+DEMO_INVENTORY = ROOT / "inventory" / "demo.yaml"
+HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
+CLIENT_TIMEOUT_S = 30.0
+GPUS = 8
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------
+# What an agent sends
+
+
+def heartbeat_body(server: str, gpus: int = GPUS) -> bytes:
+    """The agent's heartbeat (agents/daemon.py `heartbeat()`): healthy, `gpus` GPUs with the
+    telemetry NVML gives, one tensor-parallel replica over all of them with its stats."""
+    now = datetime.now(UTC).isoformat()
+    body: dict[str, Any] = {
+        "server": server,
+        "verdict": "healthy",
+        "action": "none",
+        "reasons": [],
+        "gpus": [
+            {
+                "index": i,
+                "uuid": f"GPU-{secrets.token_hex(4)}-{i:04d}-bench-{secrets.token_hex(6)}",
+                "health": "healthy",
+                "lost": False,
+                "temperature_c": 41.0 + i,
+                "memory_used_mib": 71_000 + i,
+                "memory_total_mib": 81_559,
+                "utilization_pct": 87.5,
+                "power_w": 612.4,
+            }
+            for i in range(gpus)
+        ],
+        "snapshot_at": now,
+        "draining": False,
+        "ready": True,
+        "replicas": [
+            {
+                "index": 0,
+                "gpus": list(range(gpus)),
+                "port": 8001,
+                "url": None,
+                "state": "ready",
+                "restarts": 0,
+                "load_seconds": 41.2,
+                "queued": 3,
+                "running": 12,
+                "kv_used_fraction": 0.41,
+                "cache_hit_rate": 0.2,
+                "tokens_per_s": 912.0,
+                "ttft_p50_s": 0.08,
+                "ttft_p95_s": 0.21,
+                "e2e_p50_s": 1.1,
+                "e2e_p95_s": 2.4,
+            }
+        ],
+    }
+    return json.dumps(body).encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# A small HTTP/1.1 client: cheap enough that the load generator is not what saturates
+
+
+@dataclass(frozen=True)
+class Answer:
+    sent_at: float  # time.monotonic()
+    seconds: float
+    status: int | None  # None: no answer (timeout, connection refused or reset)
+    retry_after: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """200, or 503 saying when to come back."""
+        return self.status == 200 or (self.status == 503 and self.retry_after is not None)
+
+
+def request_bytes(
+    method: str,
+    path: str,
+    host: str,
+    body: bytes = b"",
+    token: str | None = None,
+    *,
+    keep_alive: bool = True,
+) -> bytes:
+    head = [f"{method} {path} HTTP/1.1", f"Host: {host}"]
+    if not keep_alive:
+        head.append("Connection: close")
+    if token is not None:
+        head.append(f"Authorization: Bearer {token}")
+    if body or method == "POST":
+        head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def parse_answer(raw: bytes) -> tuple[int, dict[str, str]]:
+    head = raw.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    status = int(head[0].split(" ", 2)[1])
+    headers = {}
+    for line in head[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers
+
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class Heartbeats:
+    """Heartbeat requests for the agents in `tokens` ({server: token}), in turn, on keep-alive
+    connections as agents' HTTP clients keep them (a connection per request in flight, reused
+    when its answer is in)."""
+
+    def __init__(self, url: str, tokens: dict[str, str]) -> None:
+        self.hostport = url.removeprefix("http://")
+        host, _, port = self.hostport.partition(":")
+        self.host, self.port = host, int(port)
+        self._payloads = [
+            request_bytes("POST", HEARTBEAT_PATH, self.hostport, heartbeat_body(server), token)
+            for server, token in tokens.items()
+        ]
+        self._next = 0
+        self._idle: list[Connection] = []
+
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        """asyncio.run(work), closing the connections it left open (they live in its loop)."""
+
+        async def go() -> T:
+            try:
+                return await work
+            finally:
+                idle, self._idle = self._idle, []
+                for _, writer in idle:
+                    writer.close()
+
+        return asyncio.run(go())
+
+    def one(self) -> Coroutine[Any, Any, Answer]:
+        payload = self._payloads[self._next % len(self._payloads)]
+        self._next += 1
+        return self.send(payload)
+
+    async def send(self, payload: bytes, timeout: float = CLIENT_TIMEOUT_S) -> Answer:
+        started = time.monotonic()
+        conn: Connection | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                for reused in (bool(self._idle), False):
+                    conn = (
+                        self._idle.pop()
+                        if reused
+                        else await asyncio.open_connection(self.host, self.port)
+                    )
+                    reader, writer = conn
+                    try:
+                        writer.write(payload)
+                        await writer.drain()
+                        head = await reader.readuntil(b"\r\n\r\n")
+                    except (ConnectionError, asyncio.IncompleteReadError):
+                        writer.close()
+                        conn = None
+                        if reused:  # the server had closed it (keep-alive timeout): anew
+                            continue
+                        raise
+                    status, headers = parse_answer(head)
+                    await reader.readexactly(int(headers.get("content-length", "0")))
+                    if headers.get("connection", "").lower() == "close":
+                        writer.close()
+                    else:
+                        self._idle.append(conn)
+                    conn = None
+                    seconds = time.monotonic() - started
+                    return Answer(started, seconds, status, headers.get("retry-after"))
+                raise ConnectionError("no connection")  # pragma: no cover - the loop returns
+        except (OSError, TimeoutError, ValueError, IndexError, asyncio.IncompleteReadError) as exc:
+            if conn is not None:
+                conn[1].close()
+            error = f"{type(exc).__name__}: {exc}"
+            return Answer(started, time.monotonic() - started, None, None, error)
+
+
+async def burst(make: Callable[[], Awaitable[Answer]], n: int) -> list[Answer]:
+    """`n` requests at once."""
+    return list(await asyncio.gather(*(make() for _ in range(n))))
+
+
+async def open_loop(
+    make: Callable[[], Awaitable[Answer]], rate: float, seconds: float
+) -> list[Answer]:
+    """Requests at `rate` per second for `seconds`, each on schedule whatever the earlier ones
+    are doing (agents do not wait for each other); all answers."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    tasks = []
+    for i in range(round(rate * seconds)):
+        delay = start + i / rate - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(make()))
+    return list(await asyncio.gather(*tasks))
+
+
+# ---------------------------------------------------------------------------------------------
+# The /healthz prober: a process of its own, so that the load generator's own work never
+# shows up as the service's latency
+
+
+def probe(url: str, seconds: float, every: float) -> None:
+    """GET /healthz on a new connection every `every` s for `seconds`; one JSON line each:
+    [seconds since start, latency s, status or null]."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    payload = request_bytes("GET", "/healthz", f"{host}:{port}", keep_alive=False)
+    start = time.monotonic()
+    while (now := time.monotonic()) - start < seconds:
+        status: int | None = None
+        try:
+            with socket.create_connection((host, int(port)), timeout=CLIENT_TIMEOUT_S) as sock:
+                sock.sendall(payload)
+                chunks = []
+                while chunk := sock.recv(65536):
+                    chunks.append(chunk)
+            status = parse_answer(b"".join(chunks))[0]
+        except (OSError, ValueError, IndexError):
+            pass
+        print(json.dumps([round(now - start, 3), time.monotonic() - now, status]), flush=True)
+        time.sleep(max(0.0, every - (time.monotonic() - now)))
+
+
+@contextmanager
+def prober(url: str, seconds: float, every: float = 0.05) -> Iterator[list[tuple[float, ...]]]:
+    """Runs `probe` in a child for the block; its samples (t, latency, status or -1) land in
+    the yielded list when the block ends."""
+    samples: list[tuple[float, ...]] = []
+    child = subprocess.Popen(
+        [sys.executable, __file__, "probe", url, "--seconds", str(seconds), "--every", str(every)],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        yield samples
+    finally:
+        child.terminate()
+        out, _ = child.communicate(timeout=30)
+        for line in out.splitlines():
+            with suppress(ValueError):  # the last line may be cut short by the signal
+                t, latency, status = json.loads(line)
+                samples.append((t, latency, -1 if status is None else status))
+
+
+# ---------------------------------------------------------------------------------------------
+# The world: a database with the demo inventory, agent tokens, the service
+
+
+def prepare_database(url: str, secret_key: str) -> dict[str, str]:
+    """Migrate, import the demo inventory, and an agent token per server ({server: token})."""
+    from fleet import db
+    from fleet.auth import create_token
+    from fleet.crypto import SecretBox
+    from fleet.inventory import import_inventory
+    from fleet.inventory.schema import parse_inventory
+    from fleet.models import Role, Server
+
+    engine = db.make_engine(url)
+    try:
+        db.upgrade(engine)
+        inventory = parse_inventory(DEMO_INVENTORY.read_bytes())
+        with db.session_scope(engine) as session:
+            import_inventory(session, inventory, SecretBox(secret_key.encode()), "bench")
+        tokens = {}
+        with db.session_scope(engine) as session:
+            from sqlmodel import select
+
+            for name in session.exec(select(Server.name).order_by(Server.name)).all():
+                tokens[name] = create_token(session, f"agent-{name}"[:60], Role.AGENT, name)
+        return tokens
+    finally:
+        engine.dispose()
+
+
+@contextmanager
+def throwaway_database() -> Iterator[str]:
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"fleet_heartbeats_{os.getpid()}_{secrets.token_hex(4)}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        try:
+            yield sa.make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as conn:
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def start_service(
+    database_url: str, secret_key: str, data_dir: Path, log: Path, **settings: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`fleetctl serve` in a session of its own; (process, URL) once /healthz answers."""
+    import httpx
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env |= {
+        "FLEET_DATABASE_URL": database_url,
+        "FLEET_SECRET_KEY": secret_key,
+        "FLEET_DATA_DIR": str(data_dir),
+        "FLEET_RUN_LOOPS": "true",
+        "PYTHONUNBUFFERED": "1",
+    } | {f"FLEET_{k.upper()}": v for k, v in settings.items()}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(FLEETCTL), "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"fleetctl serve exited ({proc.returncode}); log: {log}")
+        with suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return proc, url
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fleetctl serve not ready within 60 s; log: {log}")
+        time.sleep(0.1)
+
+
+def wait_settled(url: str, timeout: float = 60.0) -> None:
+    """Until the reconciler's first sweep is done (its start-up burst of BMC reads, 56
+    unreachable BMCs here, is not the load measured): the service is idle then."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    prefix = 'fleet_loop_ticks_total{loop="reconciler"} '
+    while True:
+        lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+        if any(line.startswith(prefix) and float(line[len(prefix) :]) >= 1 for line in lines):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the reconciler did not tick within {timeout:g} s")
+        time.sleep(0.2)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its threads so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(answers: Sequence[Answer], seconds: float) -> dict[str, Any]:
+    statuses = Counter("none" if a.status is None else str(a.status) for a in answers)
+    good = [a.seconds for a in answers if a.status == 200]
+    return {
+        "sent": len(answers),
+        "statuses": dict(sorted(statuses.items())),
+        "errors": sum(not a.ok for a in answers),
+        "ok_per_s": len(good) / seconds if seconds > 0 else float("nan"),
+        "p50_ms": quantile(good, 0.5) * 1000,
+        "p99_ms": quantile(good, 0.99) * 1000,
+        "p99_all_ms": quantile([a.seconds for a in answers], 0.99) * 1000,
+    }
+
+
+def show(label: str, figures: dict[str, Any], healthz: Sequence[tuple[float, ...]]) -> None:
+    probes = [s[1] * 1000 for s in healthz]
+    statuses = " ".join(f"{k}×{v}" for k, v in figures["statuses"].items())
+    print(
+        f"  {label:<10} sent {figures['sent']:5d}  {statuses:<19} errors {figures['errors']:2d}  "
+        f"200/s {figures['ok_per_s']:5.1f}  p50 {figures['p50_ms']:5.0f} ms  "
+        f"p99 {figures['p99_ms']:5.0f} ms (all {figures['p99_all_ms']:5.0f})  /healthz "
+        f"p50 {quantile(probes, 0.5):4.1f} p99 {quantile(probes, 0.99):5.1f} "
+        f"max {max(probes, default=float('nan')):5.1f} ms ({len(probes)})"
+        + (f"  service CPU {figures['cpu'] * 100:3.0f} %" if "cpu" in figures else ""),
+        flush=True,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="command")
+    probe_ap = sub.add_parser("probe", help="(internal) the /healthz prober")
+    probe_ap.add_argument("url")
+    probe_ap.add_argument("--seconds", type=float, required=True)
+    probe_ap.add_argument("--every", type=float, default=0.05)
+    ap.add_argument("--rates", default="60,120,180,240,320", help="heartbeats/s, comma-separated")
+    ap.add_argument("--seconds", type=float, default=15.0, help="per rate")
+    ap.add_argument("--burst", type=int, default=200)
+    ap.add_argument("--agents", type=int, default=56, help="servers reporting (demo: 56)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a service setting (e.g. api_max_in_flight=8); repeat",
+    )
+    args = ap.parse_args(argv)
+    if args.command == "probe":
+        with suppress(KeyboardInterrupt, BrokenPipeError):
+            probe(args.url, args.seconds, args.every)
+        return 0
+
+    from cryptography.fernet import Fernet
+
+    rates = [float(r) for r in args.rates.split(",") if r]
+    key = Fernet.generate_key().decode()
+    errors = 0
+    with tempfile.TemporaryDirectory() as tmp, throwaway_database() as url:
+        tokens = prepare_database(url, key)
+        tokens = dict(list(tokens.items())[: args.agents])
+        overrides = dict(item.split("=", 1) for item in args.set)
+        proc, service = start_service(
+            url, key, Path(tmp) / "data", Path(tmp) / "serve.log", **overrides
+        )
+        try:
+            print(
+                f"fleetctl serve on Postgres, demo inventory, {len(tokens)} agents, "
+                f"heartbeats of {GPUS} GPUs; {os.cpu_count()} CPUs; Python "
+                f"{sys.version.split()[0]}",
+                flush=True,
+            )
+            wait_settled(service)
+            beats = Heartbeats(service, tokens)
+            with prober(service, 3600) as healthz:
+                started = time.monotonic()
+                answers = beats.run(burst(beats.one, args.burst))
+                wall = time.monotonic() - started
+                time.sleep(1.0)
+            figures = summary(answers, wall)
+            errors += figures["errors"]
+            show(f"burst {args.burst}", figures, healthz)
+            print(f"  {'':<14} wall {wall:.2f} s", flush=True)
+            for rate in rates:
+                time.sleep(2.0)  # let the previous rate's backlog drain
+                cpu = cpu_seconds(proc.pid)
+                with prober(service, 3600) as healthz:
+                    answers = beats.run(open_loop(beats.one, rate, args.seconds))
+                figures = summary(answers, args.seconds)
+                figures["cpu"] = (cpu_seconds(proc.pid) - cpu) / args.seconds
+                errors += figures["errors"]
+                show(f"{rate:g}/s", figures, healthz)
+        finally:
+            kill_group(proc)
+    if errors:
+        print(f"{errors} requests without a proper answer", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
