@@ -47,6 +47,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from measure import cpu_seconds, free_port, pct  # run as a script: bench/ is on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 FLEETCTL = Path(sys.executable).parent / "fleetctl"
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -351,13 +353,6 @@ def throwaway_database() -> Iterator[str]:
         admin.dispose()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def start_service(
     database_url: str, secret_key: str, data_dir: Path, log: Path, **settings: str
 ) -> tuple[subprocess.Popen[bytes], str]:
@@ -423,22 +418,6 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
 # Figures
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its threads so far."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summary(answers: Sequence[Answer], seconds: float) -> dict[str, Any]:
     statuses = Counter("none" if a.status is None else str(a.status) for a in answers)
     good = [a.seconds for a in answers if a.status == 200]
@@ -447,9 +426,9 @@ def summary(answers: Sequence[Answer], seconds: float) -> dict[str, Any]:
         "statuses": dict(sorted(statuses.items())),
         "errors": sum(not a.ok for a in answers),
         "ok_per_s": len(good) / seconds if seconds > 0 else float("nan"),
-        "p50_ms": quantile(good, 0.5) * 1000,
-        "p99_ms": quantile(good, 0.99) * 1000,
-        "p99_all_ms": quantile([a.seconds for a in answers], 0.99) * 1000,
+        "p50_ms": pct(good, 0.5) * 1000,
+        "p99_ms": pct(good, 0.99) * 1000,
+        "p99_all_ms": pct([a.seconds for a in answers], 0.99) * 1000,
     }
 
 
@@ -460,7 +439,7 @@ def show(label: str, figures: dict[str, Any], healthz: Sequence[tuple[float, ...
         f"  {label:<10} sent {figures['sent']:5d}  {statuses:<19} errors {figures['errors']:2d}  "
         f"200/s {figures['ok_per_s']:5.1f}  p50 {figures['p50_ms']:5.0f} ms  "
         f"p99 {figures['p99_ms']:5.0f} ms (all {figures['p99_all_ms']:5.0f})  /healthz "
-        f"p50 {quantile(probes, 0.5):4.1f} p99 {quantile(probes, 0.99):5.1f} "
+        f"p50 {pct(probes, 0.5):4.1f} p99 {pct(probes, 0.99):5.1f} "
         f"max {max(probes, default=float('nan')):5.1f} ms ({len(probes)})"
         + (f"  service CPU {figures['cpu'] * 100:3.0f} %" if "cpu" in figures else ""),
         flush=True,

@@ -39,6 +39,7 @@ from fleet.stats import quantile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import heartbeats as hb  # bench/ is a directory of scripts, not a package
+import measure
 
 BURST = 200
 # Above what one service process serves (tens to ~150 heartbeats/s, bench/heartbeats.py).
@@ -151,7 +152,7 @@ def test_the_shutdown_watchdog_ends_a_process_whose_shutdown_hangs(tmp_path: Pat
     the bound (FLEET_SHUTDOWN_TIMEOUT_S), saying why."""
     root = Path(__file__).resolve().parent.parent
     child = subprocess.Popen(
-        [sys.executable, "-c", HANGS_ON_SHUTDOWN, str(hb.free_port())],
+        [sys.executable, "-c", HANGS_ON_SHUTDOWN, str(measure.free_port())],
         cwd=root,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
