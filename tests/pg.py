@@ -8,6 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from fleet import db
 
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
@@ -30,3 +33,17 @@ def throwaway_database(prefix: str, admin_url: str = ADMIN_URL, options: str = "
                 conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     finally:
         admin.dispose()
+
+
+@contextmanager
+def migrated_database(prefix: str, pg_url: str) -> Iterator[Engine]:
+    """A throwaway database on `pg_url`'s server, migrated to head, for a test that needs one of
+    its own (leadership is per database; junk it writes stays there); disposed and dropped."""
+    admin = sa.make_url(pg_url).set(database="postgres").render_as_string(hide_password=False)
+    with throwaway_database(prefix, admin) as url:
+        engine = db.make_engine(url)
+        try:
+            db.upgrade(engine)
+            yield engine
+        finally:
+            engine.dispose()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from procs import stop_group
 from pydantic import SecretStr
 
 from agents.config import AgentSettings
@@ -86,13 +86,7 @@ class Service:
     def stop(self) -> None:
         if self.proc is None:
             return
-        with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        stop_group(self.proc)
         self.proc = None
 
     def events(self, token: str, kind: str) -> list[dict[str, Any]]:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from colo_world import (
     Api,
     LoopMetrics,
@@ -43,7 +42,7 @@ from colo_world import (
     wait_for,
 )
 from factories import TEST_SECRET_KEY
-from pg import throwaway_database
+from pg import migrated_database
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
@@ -118,14 +117,8 @@ ESTIMATE_S = 1.0  # FLEET_BOOT_ESTIMATE_S: no server here, so every lead is this
 @pytest.fixture
 def calendar_pg(pg_url: str) -> Iterator[Engine]:
     """A migrated throwaway database of this test's own (leadership is per database)."""
-    admin = sa.make_url(pg_url).set(database="postgres").render_as_string(hide_password=False)
-    with throwaway_database("fleet_calendar", admin) as url:
-        engine = db.make_engine(url)
-        try:
-            db.upgrade(engine)
-            yield engine
-        finally:
-            engine.dispose()
+    with migrated_database("fleet_calendar", pg_url) as engine:
+        yield engine
 
 
 def pg_settings(engine: Engine) -> dict[str, str]:

@@ -24,14 +24,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import sqlalchemy as sa
 from colo_world import ServeProcess
 from factories import TEST_SECRET_KEY
 from live import DEMO_INVENTORY, YAML
-from pg import throwaway_database
+from pg import migrated_database
 from sqlalchemy.engine import Engine
-
-from fleet import db
 
 SCHEMATHESIS = Path(sys.executable).parent / "st"
 MAX_TIME_S = int(os.environ.get("FLEET_SCHEMATHESIS_MAX_TIME_S", "120"))
@@ -46,14 +43,8 @@ expected-statuses = ["2xx", "400", "401", "403", "404", "409"]
 @pytest.fixture
 def service_db(pg_url: str) -> Iterator[Engine]:
     """A migrated throwaway database of this test's own (schemathesis fills it with junk)."""
-    admin = sa.make_url(pg_url).set(database="postgres").render_as_string(hide_password=False)
-    with throwaway_database("fleet_schemathesis", admin) as url:
-        engine = db.make_engine(url)
-        try:
-            db.upgrade(engine)
-            yield engine
-        finally:
-            engine.dispose()
+    with migrated_database("fleet_schemathesis", pg_url) as engine:
+        yield engine
 
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(
