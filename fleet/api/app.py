@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -44,8 +43,6 @@ from fleet.loops import stop_all
 from fleet.settings import Settings, get_settings
 from fleet.validation import error_messages
 
-log = logging.getLogger("fleet.api")
-
 
 class ErrorBody(BaseModel):
     """Every 4xx: what to fix, and for invalid input each problem as `place: message`."""
@@ -68,7 +65,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (503, "Database unavailable or the service at capacity: retry after `Retry-After` s"),
     )
 }
-access_log = logging.getLogger("fleet.access")
 
 
 def prepare_database(settings: Settings, engine: Engine) -> None:
