@@ -3,11 +3,11 @@
     .venv/bin/python bench/engine.py [--seconds 10] [--warmup 2] [--trace conv]
 
 Cases: Llama-3.1-8B FP8 on one H100 and on one L40S, at 1, 8 and 64 concurrent streams; one
-stand-in process per case (python -m agents.engine.standin, speed-up 1.0: real time, load delay
+stand-in process per case (python -m fleet_agent.engine.standin, speed-up 1.0: real time, load delay
 0.2 s instead of the modelled 1.1 s to keep the run short), closed loop: each stream sends its
 next request as soon as the last one ends.
 
-Requests: sizes from the real Azure conversation trace (traces/, CC BY 4.0, Patel et al.,
+Requests: sizes from the real Azure conversation trace (fleet/data/traces/, CC BY 4.0, Patel et al.,
 Splitwise, ISCA 2024) read by fleet.traces, in trace order, each stream starting at its own
 offset; the arrival times are not replayed (closed loop at a fixed concurrency). The trace has
 lengths, not text: each prompt is filler text of the trace's prompt length (4 characters per
@@ -23,7 +23,7 @@ core, the figures measure Python, not the model.
 
 Measured: output tokens/s over the window (tokens whose event arrived in it), inter-token
 latency p50/p95 (gaps between consecutive events of one request, both in the window), TTFT p50
-(requests sent in the window). Model: agents.engine.cost_model steady state for the same mix
+(requests sent in the window). Model: fleet_core.cost_model steady state for the same mix
 (effective_lengths). Published (docs/hardware.md; perf-overview.md, v0.17): shown beside the nearest
 case, with what it was measured on. Never fails on timing.
 """
@@ -48,7 +48,7 @@ from pathlib import Path
 
 from measure import cpu_seconds, free_port, pct  # run as a script: bench/ is on sys.path
 
-from agents.engine import cost_model as cm
+from fleet_core import cost_model as cm
 
 REPO = Path(__file__).resolve().parent.parent
 GPUS = ("H100", "L40S")
@@ -189,7 +189,7 @@ class Result:
 def standin(gpu: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_STANDIN_")}
     env |= {"FLEET_STANDIN_GPU": gpu, "FLEET_STANDIN_MODEL": MODEL, "FLEET_STANDIN_LOAD_S": "0.2"}
-    argv = [sys.executable, "-m", "agents.engine.standin", f"/models/bench/{MODEL}"]
+    argv = [sys.executable, "-m", "fleet_agent.engine.standin", f"/models/bench/{MODEL}"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--enable_chunked_prefill"]
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
     try:

@@ -2,12 +2,13 @@
 
 `generate(servers, seed)` returns a dict that fleet.inventory.schema.InventoryFile accepts and
 fleet.inventory.import_inventory imports without errors (oversubscription warnings are expected:
-some racks get 32 A feeds on purpose, as in inventory/demo.yaml). The same arguments always give
+some racks get 32 A feeds on purpose, as in fleet/data/inventory/demo.yaml). The same arguments
+always give
 the same inventory.
 
     .venv/bin/python bench/gen_inventory.py --servers 10000 --seed 0 > /tmp/big.yaml
 
-Racks hold one server kind each (power figures and their sources: inventory/demo.yaml):
+Racks hold one server kind each (power figures and their sources: fleet/data/inventory/demo.yaml):
 
 - DGX H100 / DGX H200: 8 GPUs, 8U, four per rack, Redfish BMC on 127.0.0.1:8000 told apart by
   `system_id` (one emulator holding many systems);

@@ -4,11 +4,12 @@
                                          [--burst 200] [--agents 56]
 
 Setup: a throwaway Postgres database on 127.0.0.1:5432, migrated; the demo inventory
-(inventory/demo.yaml, 56 servers) imported; an agent token for each server; `fleetctl serve`
+(fleet/data/inventory/demo.yaml, 56 servers) imported; an agent token for each server; `fleetctl
+serve`
 as a child with its control loops on and its own defaults otherwise (the pool, the admission
 cap and wait: docs/api.md), measured once idle (the reconciler's first sweep done).
 
-Each request is the agent's real heartbeat (agents/daemon.py: 8 GPUs with their telemetry, a
+Each request is the agent's real heartbeat (fleet_agent/daemon.py: 8 GPUs with their telemetry, a
 replica with its stats, the verdict) for one of the servers in turn, on keep-alive connections
 (as agents' HTTP clients keep them), with a 30 s client timeout. Measured:
 
@@ -49,10 +50,11 @@ from typing import Any, TypeVar
 
 from measure import cpu_seconds, free_port, pct  # run as a script: bench/ is on sys.path
 
+from fleet.data import DEMO_INVENTORY
+
 ROOT = Path(__file__).resolve().parent.parent
 FLEETCTL = Path(sys.executable).parent / "fleetctl"
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-DEMO_INVENTORY = ROOT / "inventory" / "demo.yaml"
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
 CLIENT_TIMEOUT_S = 30.0
 GPUS = 8
@@ -64,7 +66,7 @@ T = TypeVar("T")
 
 
 def heartbeat_body(server: str, gpus: int = GPUS) -> bytes:
-    """The agent's heartbeat (agents/daemon.py `heartbeat()`): healthy, `gpus` GPUs with the
+    """The agent's heartbeat (fleet_agent/daemon.py `heartbeat()`): healthy, `gpus` GPUs with the
     telemetry NVML gives, one tensor-parallel replica over all of them with its stats."""
     now = datetime.now(UTC).isoformat()
     body: dict[str, Any] = {

@@ -16,7 +16,8 @@ Steps, per backend, on a freshly migrated database (fleet.db.upgrade):
   (d) the server list query (Server ⋈ Rack ⋈ Site, filtered, ORDER BY name LIMIT 100 OFFSET k,
       plus a count) `--queries` times per filter, each in its own session as an API request
       would; p50 / p95 in ms.
-Before (d), fleet.lifecycle moves the warm-pool servers to `warm` and about 2 % of the fleet to
+Before (d), fleet.lifecycle.transitions moves the warm-pool servers to `warm` and about 2 % of the
+fleet to
 `maintenance`, so a state filter selects something other than everything, and ANALYZE gives
 the planner the statistics autovacuum would have gathered by then. Each filter also runs
 `--queries` / 4 times at offset 0: deep OFFSET pages cost more than the first.
@@ -51,13 +52,13 @@ from gen_inventory import generate, to_yaml  # run as a script: bench/ is on sys
 from sqlalchemy.engine import Engine, make_url
 from sqlmodel import Session
 
-from fleet import lifecycle
 from fleet.crypto import SecretBox
 from fleet.db import make_engine, session_scope, upgrade
 from fleet.inventory import InventoryFile, import_inventory, parse_inventory
+from fleet.inventory.servers import ServerFilter, list_servers
+from fleet.lifecycle import transitions as lifecycle
+from fleet.lifecycle.states import ServerState
 from fleet.models import Pool
-from fleet.servers import ServerFilter, list_servers
-from fleet.states import ServerState
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 PAGE_SIZE = 100
@@ -192,7 +193,8 @@ def given_sqlite(url: sa.URL) -> Iterator[str]:
 
 
 def move_states(engine: Engine, doc: dict[str, Any], seed: int) -> int:
-    """Warm pool → `warm`, ~2 % → `maintenance`, through fleet.lifecycle (one transaction)."""
+    """Warm pool → `warm`, ~2 % → `maintenance`, through fleet.lifecycle.transitions (one
+    transaction)."""
     rng = random.Random(seed)
     moves = 0
     with session_scope(engine) as session:

@@ -11,7 +11,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from fleet.stats import quantile
+from fleet_core.stats import quantile
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,7 +32,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def pct(values: Sequence[float], q: float) -> float:
-    """The q-quantile as the fleet reports it (fleet/stats.py); NaN when there is nothing."""
+    """The q-quantile as the fleet reports it (fleet_core/stats.py); NaN when there is nothing."""
     value = quantile(values, q)
     return float("nan") if value is None else value
 

@@ -18,7 +18,7 @@ reads, the Chassis Control, the read-back, logout), so 0.4 s each is ~5 s per ac
 same order as Redfish's 5 requests at 1 s.
 
 Scenarios, on the same servers, each from all-off, each running `driver_for(target).power_on()`
-(in a `with`, as fleet.power_control does) for every server through `fleet.bmc.bulk.run_bulk`:
+(in a `with`, as fleet.power.actions does) for every server through `fleet.bmc.bulk.run_bulk`:
   (1) sequential    Stagger(workers=1, per_rack=None, rack_delay=0)
   (2) concurrent    Stagger(workers=32, per_rack=None, rack_delay=0)
   (3) staggered     Stagger(workers=32, per_rack=2, rack_delay=--rack-delay)

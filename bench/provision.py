@@ -49,8 +49,7 @@ import httpx
 import yaml
 from cryptography.fernet import Fernet
 
-import cli
-from fleet import db
+from fleet import cli, db
 from fleet.lab.colo import VirtualColo
 from fleet.lab.sushy import free_port
 
@@ -339,7 +338,7 @@ def measure(count: int, args: argparse.Namespace, workdir: Path) -> Figures:
                 if row["name"] in booted and row["state"] != "serving":
                     log = workdir / "lab" / "servers" / row["name"] / "agent.log"
                     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-                    last = " | ".join([x for x in lines if "agents.engine" in x][-2:])
+                    last = " | ".join([x for x in lines if "fleet_agent.engine" in x][-2:])
                     print(
                         f"  {row['name']}: {row['state']} {row['failed_reason'] or ''}"
                         f" replicas={[r.get('state') for r in row['replicas']]} {last}",

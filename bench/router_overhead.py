@@ -295,7 +295,7 @@ def router(
     port = free_port()
     env = dict(os.environ)
     env.setdefault("FLEET_ROUTER_LOG_LEVEL", "WARNING")
-    argv = [sys.executable, "-m", "cli", "router", "run", "--table", str(table)]
+    argv = [sys.executable, "-m", "fleet.cli", "router", "run", "--table", str(table)]
     argv += ["--host", HOST, "--port", str(port)]
     if workers > 1:
         argv += ["--workers", str(workers)]

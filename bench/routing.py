@@ -6,7 +6,7 @@
 
 About 4 minutes with the defaults (five strategies, 40 s of replay each, on 2 cores).
 
-Fleet: 8 stand-in engines (python -m agents.engine.standin, Llama-3.1-8B FP8, chunked prefill,
+Fleet: 8 stand-in engines (python -m fleet_agent.engine.standin, Llama-3.1-8B FP8, chunked prefill,
 --max_batch_size B) pretending to be 3 H200, 3 H100 and 2 L40S, listed in one routing-table file
 with max_batch_size B, which is also the router's per-replica limit (`--router-limit N` leaves it
 out of the table and sets FLEET_ROUTER_REPLICA_LIMIT=N instead: requests then also queue inside
@@ -26,7 +26,8 @@ from the engine's /prometheus/metrics gauges scraped when the router asks (every
 agent polls its engines once a second, so this is fresher than the real thing). Without it
 least_kv would see no KV figure. It never reads /metrics, which empties on read.
 
-Requests: a slice of the trace (traces/, Azure LLM inference 2023, CC BY 4.0, Patel et al.,
+Requests: a slice of the trace (fleet/data/traces/, Azure LLM inference 2023, CC BY 4.0, Patel et
+al.,
 Splitwise, ISCA 2024, read by fleet.traces), in trace order, with its real arrival pattern
 (bursts included) compressed in time so that the mean offered load is `--load` of the fleet's
 capacity. Each prompt is filler text of the trace's prompt length (4 characters per token, the
@@ -36,7 +37,7 @@ min(max_tokens, its running mean of output lengths), so max_tokens = the true le
 the exact length of every answer shorter than that mean; a client that asks for more than it
 gets (the usual case) tells it less.
 
-Capacity: PREDICTED, not measured: agents.engine.cost_model's steady state for the slice's mix
+Capacity: PREDICTED, not measured: fleet_core.cost_model's steady state for the slice's mix
 (effective_lengths) at B streams per engine, summed over the fleet (the stand-in times its
 iterations with that same model; bench/engine.py checks that the two agree, and the router's
 measured capacities printed at the end come out within ~10 % of it). Perfect routing could
@@ -99,9 +100,9 @@ if str(REPO) not in sys.path:  # `python bench/routing.py` puts bench/, not the 
 
 from measure import cpu_seconds, free_port, pct, wait_until  # noqa: E402 - bench/ is on sys.path
 
-from agents.engine import cost_model as cm  # noqa: E402
 from fleet.router.estimates import prior_capacity  # noqa: E402
 from fleet.router.strategy import PREFILL_WEIGHT, STRATEGIES  # noqa: E402
+from fleet_core import cost_model as cm  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 DEPLOYMENT = "llama"
@@ -221,7 +222,7 @@ def engines(gpus: Sequence[str], batch: int, speedup: float, logs: Path) -> Iter
                 "FLEET_STANDIN_LOAD_S": str(0.2 * speedup),  # 0.2 s of wall time
                 "FLEET_STANDIN_DRAIN_S": "5",
             }
-            argv = [sys.executable, "-m", "agents.engine.standin", MODEL, "--host", HOST]
+            argv = [sys.executable, "-m", "fleet_agent.engine.standin", MODEL, "--host", HOST]
             argv += ["--port", str(port), "--max_batch_size", str(batch)]
             argv += ["--enable_chunked_prefill", "--log_level", "warning"]
             with (logs / f"engine-{i}-{gpu}.log").open("ab") as out:
@@ -313,7 +314,7 @@ def router(
     env = dict(os.environ)
     env.setdefault("FLEET_ROUTER_LOG_LEVEL", "WARNING")
     env |= env_extra | dict(variant.env)
-    argv = [sys.executable, "-m", "cli", "router", "run", "--table", str(table)]
+    argv = [sys.executable, "-m", "fleet.cli", "router", "run", "--table", str(table)]
     argv += ["--host", HOST, "--port", str(port), "--strategy", variant.strategy]
     log = logs / f"router-{len(list(logs.glob('router-*')))}.log"
     with log.open("ab") as out:
@@ -360,7 +361,7 @@ def engine_gauges(text: str) -> dict[str, float]:
 
 
 def run_agent_shim(port: int, urls: Sequence[str]) -> None:
-    """A STAND-IN FOR THE FLEET AGENT's /state (agents/local_api.py), one path per engine:
+    """A STAND-IN FOR THE FLEET AGENT's /state (fleet_agent/local_api.py), one path per engine:
     GET /e/<i>/state → the agent's JSON for a server whose one replica is engine i, from the
     engine's Prometheus gauges scraped on the spot (never /metrics: it empties on read)."""
 
@@ -864,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{eff_in:.0f}/{eff_out:.0f})"
     )
     print(
-        f"Capacity, PREDICTED by agents/engine/cost_model.py for this mix at {streams} streams "
+        f"Capacity, PREDICTED by fleet_core/cost_model.py for this mix at {streams} streams "
         "per engine (beside it the router's cost-model prior, work units/s):"
     )
     for gpu, (tps, itl) in per_gpu.items():

@@ -18,7 +18,7 @@ from sqlmodel import Session
 
 from fleet.settings import ConfigError, Settings
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 
 class NotMigratedError(ConfigError):

@@ -29,7 +29,8 @@ from sqlalchemy.engine import Dialect
 from sqlmodel import Field, SQLModel
 from sqlmodel._compat import SQLModelConfig
 
-from agents.engine.command import (
+from fleet.lifecycle.states import OPERATOR_TARGETS, ServerState
+from fleet_agent.engine.command import (
     BACKENDS,
     BOOL_FLAGS,
     FLOAT_FLAGS,
@@ -39,7 +40,6 @@ from agents.engine.command import (
     YAML_KEYS,
     check_engine_params,
 )
-from fleet.states import OPERATOR_TARGETS, ServerState
 
 
 def utcnow() -> datetime:
@@ -343,7 +343,7 @@ class Server(ServerBase, table=True):
     rack_id: int = Field(foreign_key="rack.id", index=True)
     # Ciphertext only (fleet.crypto.SecretBox); never selected into an API model.
     bmc_password_encrypted: str = Field(max_length=1000)
-    # Lifecycle state: written only by fleet.lifecycle.
+    # Lifecycle state: written only by fleet.lifecycle.transitions.
     state: ServerState = _enum(ServerState, default=ServerState.ENROLLED, index=True)
     state_changed_at: datetime = _ts(default_factory=utcnow)
     # Observations, kept apart from the state (docs/design.md).
@@ -358,7 +358,8 @@ class Server(ServerBase, table=True):
     power_settle_until: datetime | None = _ts(default=None)
     last_heartbeat_at: datetime | None = _ts(default=None)
     health_verdict: Verdict | None = _enum(Verdict, default=None)
-    # What the agent reports (fleet/agent_reports.py): who it is, where its local API listens,
+    # What the agent reports (fleet/registry/agent_reports.py): who it is, where its local API
+    # listens,
     # and its fault policy's repair action and reasons. Observations, like the fields above.
     agent_version: str | None = Field(default=None, max_length=32)
     agent_url: str | None = Field(default=None, max_length=255)
@@ -372,7 +373,8 @@ class Server(ServerBase, table=True):
     agent_ready: bool | None = None
     agent_draining: bool = Field(default=False, sa_column_kwargs={"server_default": sa.false()})
     replicas: list[dict[str, Any]] = _json(list)
-    # Provisioning (fleet/provisioning.py): how the current boot goes ("power_on", "cycle",
+    # Provisioning (fleet/provisioning/workflows.py): how the current boot goes ("power_on",
+    # "cycle",
     # "resume"), when it began, the write-ahead marks of power commands (committed before the
     # BMC call, so a crash never leads to a second command), why it drains or failed, fault
     # and reboot history (escalation is the fleet's: an agent forgets across reboots), and
@@ -400,12 +402,13 @@ class Server(ServerBase, table=True):
 
 @sa.event.listens_for(Server.state, "set")
 def _state_is_written_by_lifecycle(target: Server, value: Any, old: Any, initiator: Any) -> None:
-    """The rule of docs/design.md, enforced at run time: only fleet.lifecycle moves a server's
+    """The rule of docs/design.md, enforced at run time: only fleet.lifecycle.transitions moves a
+    server's
     state (with a compare-and-set UPDATE, which fires no attribute event). A server not yet in
     the database may carry the initial state and nothing else."""
     if sa.inspect(target).has_identity or value != ServerState.ENROLLED:
         raise AttributeError(
-            f"server {target.name}: state is written only by fleet.lifecycle.transition"
+            f"server {target.name}: state is written only by fleet.lifecycle.transitions.transition"
         )
 
 
@@ -473,7 +476,7 @@ class _Update(SQLModel):
 class ServerUpdate(_Update):
     """What an operator may change on a server through the API (not its state). A new BMC
     endpoint drops the stored password unless one comes with it; the credentials themselves
-    (bmc_username, bmc_password) only an admin may change (fleet/servers.py)."""
+    (bmc_username, bmc_password) only an admin may change (fleet/inventory/servers.py)."""
 
     model_config = SQLModelConfig(extra="forbid")
     nullable_fields: ClassVar[frozenset[str]] = frozenset({"bmc_system_id"})
@@ -553,7 +556,7 @@ class GpuPublic(GpuBase):
 
 
 class GpuModelSpec(SQLModel, table=True):
-    """A GPU model added by an inventory file (built-in ones live in fleet.gpu_specs)."""
+    """A GPU model added by an inventory file (built-in ones live in fleet.inventory.gpu_models)."""
 
     __tablename__ = "gpu_model_spec"
 
@@ -603,7 +606,7 @@ def deployment_rule_problems(
     return problems
 
 
-# engine_params: what the agent will run (agents/engine/command.py turns them into the
+# engine_params: what the agent will run (fleet_agent/engine/command.py turns them into the
 # trtllm-serve command line). The fleet refuses what the agent would refuse, with the agent's
 # own check, and bounds their size: every routing table and deployment listing carries them.
 MAX_ENGINE_PARAMS_BYTES = 16 * 1024
@@ -671,7 +674,7 @@ OptEngineParams = Annotated[
     AfterValidator(_valid_engine_params),
     WithJsonSchema(_engine_params_schema()),
 ]
-# GPU model names a deployment may run on (fleet.gpu_specs and the inventory's own).
+# GPU model names a deployment may run on (fleet.inventory.gpu_models and the inventory's own).
 GpuModelNames = Annotated[
     list[Annotated[str, StringConstraints(min_length=1, max_length=32)]], MaxLen(64)
 ]

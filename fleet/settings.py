@@ -88,7 +88,7 @@ class Settings(BaseSettings):
     run_loops: bool = True
     # A leader whose loop ticks fail `leader_step_down_failures` times in a row (all loops
     # together: any good tick resets the count) releases the lock and follows for
-    # `leader_step_down_s`, so that a healthy replica takes over (fleet/leader.py).
+    # `leader_step_down_s`, so that a healthy replica takes over (fleet/control/leader.py).
     leader_step_down_failures: int = Field(default=5, ge=1)
     leader_step_down_s: float = Field(default=60.0, gt=0)
     # The database pool and the API's admission are sized together (docs/api.md): at most
@@ -107,7 +107,8 @@ class Settings(BaseSettings):
     # hangs at `shutdown_timeout_s` after the signal, the process exits anyway.
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     shutdown_timeout_s: float = Field(default=8.0, gt=0)
-    # Provisioning (fleet/provisioning.py), a tick of the leader every `provision_interval_s`.
+    # Provisioning (fleet/provisioning/workflows.py), a tick of the leader every
+    # `provision_interval_s`.
     # Deadlines: large GPU servers take 10-15 min to POST (docs/hardware.md), then the GPU stack.
     provision_interval_s: float = Field(default=5.0, gt=0)
     boot_deadline_s: float = Field(default=1500.0, gt=0)

@@ -1,4 +1,5 @@
-"""The Azure LLM inference traces in traces/ (CC BY 4.0; attribution in traces/README.md).
+"""The Azure LLM inference traces in fleet/data/traces/ (CC BY 4.0; attribution in
+fleet/data/traces/README.md).
 
 Each row: when a request arrived, its prompt tokens and its output tokens. Benchmarks, the
 simulator and the demo replay them, faster or scaled when they say so.
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-TRACES_DIR = Path(__file__).resolve().parent.parent / "traces"
+from fleet.data import TRACES_DIR
+
 TRACES = {
     "code": TRACES_DIR / "azure-llm-2023-code.csv",
     "conv": TRACES_DIR / "azure-llm-2023-conv.csv",

@@ -35,8 +35,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner, Result
 
-import cli
-from fleet import db
+from fleet import cli, db
 from fleet.lab.colo import ProcRef, VirtualColo, recorded_processes
 from fleet.lab.sushy import free_port
 

@@ -1,7 +1,9 @@
 """Plain helpers that build model rows for tests (no fixtures, no API).
 
-Servers get their state the only legal way: `fleet.lifecycle.enroll` for the initial state, then
-a walk of legal moves through `fleet.lifecycle.transition`. Nothing here writes `.state`.
+Servers get their state the only legal way: `fleet.lifecycle.transitions.enroll` for the initial
+state, then
+a walk of legal moves through `fleet.lifecycle.transitions.transition`. Nothing here writes
+`.state`.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any
 from cryptography.fernet import Fernet
 from sqlmodel import Session, func, select
 
-from fleet import lifecycle
 from fleet.crypto import SecretBox
+from fleet.lifecycle import transitions as lifecycle
+from fleet.lifecycle.states import INITIAL, TRANSITIONS, ServerState
 from fleet.models import (
     BmcProtocol,
     Event,
@@ -25,7 +28,6 @@ from fleet.models import (
     Server,
     Site,
 )
-from fleet.states import INITIAL, TRANSITIONS, ServerState
 
 # One Fernet key for the whole test run (conftest's `secret_key` fixture returns it).
 TEST_SECRET_KEY: bytes = Fernet.generate_key()
@@ -53,7 +55,8 @@ H100_DEFAULTS: dict[str, Any] = {
 def path_to(target: ServerState, start: ServerState = INITIAL) -> list[ServerState]:
     """The shortest list of legal moves from `start` to `target` (empty when equal).
 
-    Breadth-first over fleet.states.TRANSITIONS; raises ValueError if `target` is unreachable.
+    Breadth-first over fleet.lifecycle.states.TRANSITIONS; raises ValueError if `target` is
+    unreachable.
     """
     if target == start:
         return []

@@ -34,13 +34,14 @@ from sqlmodel import col
 
 from fleet.api.app import create_app
 from fleet.auth import create_token, hash_token
+from fleet.data import DEMO_INVENTORY
 from fleet.db import session_scope
 from fleet.models import ApiToken, Role, utcnow
-from fleet.power import Feed
+from fleet.power.budget import Feed
 from fleet.settings import Settings, get_settings
 
 ROOT = Path(__file__).resolve().parent.parent
-DEMO_INVENTORY = ROOT / "inventory" / "demo.yaml"
+DEMO_INVENTORY = DEMO_INVENTORY
 YAML = {"Content-Type": "application/yaml"}
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
@@ -221,7 +222,7 @@ DEBUG_LOGGERS = (
     "httpx",
     "httpcore",
     "asyncio",
-    "cli",
+    "fleet.cli",
 )
 
 
@@ -289,7 +290,8 @@ def fill_path(template: str, names: dict[str, str], default: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# What inventory/demo.yaml holds, read from the file itself (expected values for the tests)
+# What fleet/data/inventory/demo.yaml holds, read from the file itself (expected values for the
+# tests)
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,16 @@ from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from agents.config import AgentSettings
-from agents.daemon import Agent
-from agents.fleet_client import FleetClient
-from agents.local_api import LocalApi
-from agents.telemetry.simulated import SimulatedTelemetry
-from fleet.agent_reports import url_problem
 from fleet.crypto import SecretBox
+from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Gpu, Role, Server, Verdict
-from fleet.quality_probe import probe_server
-from fleet.states import ServerState
+from fleet.provisioning.quality_probe import probe_server
+from fleet.registry.agent_reports import url_problem
+from fleet_agent.config import AgentSettings
+from fleet_agent.daemon import Agent
+from fleet_agent.fleet_client import FleetClient
+from fleet_agent.local_api import LocalApi
+from fleet_agent.telemetry.simulated import SimulatedTelemetry
 
 API = "/api/v1/agent"
 

@@ -23,16 +23,17 @@ import pytest
 from procs import stop_group
 from pydantic import SecretStr
 
-from agents.config import AgentSettings
-from agents.daemon import Agent, printable
-from agents.fleet_client import FleetClient
-from agents.main import run
-from agents.telemetry.simulated import Fault, SimulatedTelemetry
+from fleet.data import DEMO_INVENTORY
 from fleet.lab.sushy import free_port
+from fleet_agent.config import AgentSettings
+from fleet_agent.daemon import Agent, printable
+from fleet_agent.fleet_client import FleetClient
+from fleet_agent.main import run
+from fleet_agent.telemetry.simulated import Fault, SimulatedTelemetry
 
 T = TypeVar("T")
 FLEETCTL = Path(sys.executable).parent / "fleetctl"
-DEMO = Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml"
+DEMO = DEMO_INVENTORY
 SERVER = "fra1-r01-h100-01"  # a DGX H100: 8 GPUs in the inventory
 OUTAGE_S = 30.0
 HEARTBEAT_S = 0.5
@@ -117,7 +118,7 @@ def service(tmp_path: Path) -> Iterator[Service]:
 
 @contextmanager
 def running_agent(settings: AgentSettings) -> Iterator[str]:
-    """The agent (agents.main.run, as `fleetctl agent run` runs it) in a thread; its URL."""
+    """The agent (fleet_agent.main.run, as `fleetctl agent run` runs it) in a thread; its URL."""
     stop = threading.Event()
     thread = threading.Thread(target=run, args=(settings, stop), daemon=True)
     thread.start()
@@ -322,7 +323,7 @@ def test_a_refused_report_waits_long_and_keeps_reading_the_gpus() -> None:
 def test_python_m_agents_refuses_bad_settings_in_one_line() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
     done = subprocess.run(
-        [sys.executable, "-m", "agents"], env=env, capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "fleet_agent"], env=env, capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

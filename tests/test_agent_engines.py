@@ -1,7 +1,7 @@
 """The agent runs its assignment's engines and drains itself without losing a request.
 
 Real parts: the agent's loop, its local API, the EngineSupervisor and four STAND-IN engine
-processes (`python -m agents.engine.standin`, the same command line as trtllm-serve). The
+processes (`python -m fleet_agent.engine.standin`, the same command line as trtllm-serve). The
 fleet is scripted (httpx.MockTransport): it hands out the assignment and records heartbeats,
 so the test can look at exactly what the agent reported.
 """
@@ -25,14 +25,14 @@ import pytest
 from procs import alive
 from pydantic import SecretStr
 
-from agents.config import AgentSettings
-from agents.daemon import Agent
-from agents.fleet_client import FleetClient
-from agents.local_api import LocalApi
-from agents.main import build_supervisor
-from agents.telemetry.simulated import SimulatedTelemetry
 from fleet.lab.colo import free_port_block
-from fleet.quality_probe import ask_agent_http
+from fleet.provisioning.quality_probe import ask_agent_http
+from fleet_agent.config import AgentSettings
+from fleet_agent.daemon import Agent
+from fleet_agent.fleet_client import FleetClient
+from fleet_agent.local_api import LocalApi
+from fleet_agent.main import build_supervisor
+from fleet_agent.telemetry.simulated import SimulatedTelemetry
 
 T = TypeVar("T")
 ASSIGNMENT: dict[str, Any] = {
@@ -111,7 +111,7 @@ def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Rig]:
         token=SecretStr("flt_test"),
         telemetry="simulated",
         sim_gpus=8,
-        engine_command=f"{sys.executable} -m agents.engine.standin",
+        engine_command=f"{sys.executable} -m fleet_agent.engine.standin",
         engine_base_port=free_port_block(4),
         work_dir=tmp_path / "agent",
         sample_interval_s=0.2,

@@ -15,13 +15,14 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from agents.config import AgentSettings
-from agents.daemon import Agent
-from agents.fleet_client import FleetClient
-from agents.local_api import MAX_BODY_BYTES, LocalApi
-from agents.telemetry.base import GpuTelemetry, Snapshot
-from agents.telemetry.simulated import SimulatedTelemetry
+from fleet.data import DEMO_INVENTORY
 from fleet.lab.colo import LabError, ProcRef, VirtualColo, inject_fault
+from fleet_agent.config import AgentSettings
+from fleet_agent.daemon import Agent
+from fleet_agent.fleet_client import FleetClient
+from fleet_agent.local_api import MAX_BODY_BYTES, LocalApi
+from fleet_agent.telemetry.simulated import SimulatedTelemetry
+from fleet_core.telemetry import GpuTelemetry, Snapshot
 
 KEY = "local-api-key-of-the-test-0123456789"
 XID_79 = {"kind": "xid", "xid": 79, "gpu": 1}
@@ -174,7 +175,7 @@ def test_the_lab_injects_with_the_key_it_gave_the_agent(simulated: tuple[Agent, 
 
 
 def test_the_lab_gives_each_agent_a_key_of_its_own_and_keeps_it(tmp_path: Path) -> None:
-    inventory = (Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml").read_text()
+    inventory = (DEMO_INVENTORY).read_text()
     overriding = {"FLEET_AGENT_API_KEY": "someone-elses-key-0123456789"}
     colo = VirtualColo(
         inventory, tmp_path, token_for=lambda _: "t", agent_env=overriding, state_file=None

@@ -1,7 +1,8 @@
 """The REST API over a real uvicorn server, on SQLite and on Postgres (docs/api.md).
 
 One server per module per database (`live`); each test starts from empty tables (`db`), gets
-fresh tokens for every role (`api`) and, where it needs a fleet, imports inventory/demo.yaml
+fresh tokens for every role (`api`) and, where it needs a fleet, imports
+fleet/data/inventory/demo.yaml
 through the API (`demo`).
 """
 
@@ -17,14 +18,15 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from factories import walk_to
-from live import DEMO_INVENTORY, YAML, Live, fill_path, load_demo, operations, revoke_token, serve
+from live import YAML, Live, fill_path, load_demo, operations, revoke_token, serve
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet import lifecycle
+from fleet.data import DEMO_INVENTORY
+from fleet.lifecycle import transitions as lifecycle
+from fleet.lifecycle.states import OPERATOR_TARGETS, ServerState, allowed_targets, draws_max_power
 from fleet.models import PowerState, Role, Server
-from fleet.power import RackPower, ServerDraw, feed_watts, rack_power
-from fleet.states import OPERATOR_TARGETS, ServerState, allowed_targets, draws_max_power
+from fleet.power.budget import RackPower, ServerDraw, feed_watts, rack_power
 
 PAGE_CAP = 20  # settings.max_page_size of this module's server: small, so capping shows
 DEFAULT_PAGE = 10
@@ -449,7 +451,8 @@ Moved = Mapping[str, tuple[ServerState, str]]
 
 
 def _demo_power(rack: str, moved: Moved | None = None) -> RackPower:
-    """What fleet.power makes of `rack`: each server counted as fleet.states.draws_max_power
+    """What fleet.power.budget makes of `rack`: each server counted as
+    fleet.lifecycle.states.draws_max_power
     says for its (state, power_state): IMPORTED unless `moved` says otherwise."""
     spec = DEMO.rack(rack)
     where = moved or {}

@@ -14,10 +14,10 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from fleet.autoscaler.service import History, autoscale_once, status
+from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Pool, ScalingDecision, Server
-from fleet.provisioning import set_paused
+from fleet.provisioning.workflows import set_paused
 from fleet.settings import Settings
-from fleet.states import ServerState
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 

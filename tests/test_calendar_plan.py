@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleet.boot_times import p90, p90_by_model
 from fleet.calendar.cron import CronError, parse
 from fleet.calendar.plan import Spec, due, floor_servers, lead_time, minutes, windows
+from fleet.provisioning.boot_times import p90, p90_by_model
 
 BERLIN = "Europe/Berlin"
 

@@ -19,7 +19,7 @@ from sqlmodel import Session, col, select
 
 from fleet.calendar.service import calendar_once
 from fleet.models import Deployment, Event, Pool, ScalingDecision, ScheduleEntry, Server
-from fleet.provisioning import set_paused
+from fleet.provisioning.workflows import set_paused
 from fleet.settings import Settings
 
 TICK_S = 30.0

@@ -18,18 +18,19 @@ from typing import Any
 import pytest
 import typer
 from cryptography.fernet import Fernet
-from live import DEMO_INVENTORY, Live, closed_port, database_env, load_demo, serve
+from live import Live, closed_port, database_env, load_demo, serve
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner, Result
 
-import cli
+from fleet import cli
 from fleet import db as fleet_db
 from fleet.auth import MAX_TOKEN_NAME
+from fleet.data import DEMO_INVENTORY
+from fleet.lifecycle.states import OPERATOR_TARGETS, ServerState, allowed_targets, draws_max_power
 from fleet.models import Role
-from fleet.power import ServerDraw, rack_power
+from fleet.power.budget import ServerDraw, rack_power
 from fleet.settings import get_settings
-from fleet.states import OPERATOR_TARGETS, ServerState, allowed_targets, draws_max_power
 
 DEMO = load_demo()
 DEMO_FILE = str(DEMO_INVENTORY)

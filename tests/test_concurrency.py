@@ -25,9 +25,9 @@ from fleet.crypto import SecretBox
 from fleet.db import session_scope
 from fleet.errors import ConflictError, ValidationFailed
 from fleet.inventory import import_inventory, parse_inventory
-from fleet.lifecycle import transition
+from fleet.lifecycle.states import ServerState
+from fleet.lifecycle.transitions import transition
 from fleet.models import Event, Rack, Server
-from fleet.states import ServerState
 
 ACTOR = "tests:concurrency"
 BARRIER_TIMEOUT_S = 20.0

@@ -29,11 +29,11 @@ from sqlmodel import Session, select
 
 from fleet.bmc.base import BmcTarget, PowerDriver
 from fleet.crypto import SecretBox
+from fleet.inventory.servers import NO_PASSWORD
 from fleet.lab.sushy import FakeSystem, SushyEmulator
 from fleet.models import Deployment, Role, Server, utcnow
-from fleet.provisioning import boot_spares, provision_once
-from fleet.reconciler import reconcile_once
-from fleet.servers import NO_PASSWORD
+from fleet.power.reconciler import reconcile_once
+from fleet.provisioning.workflows import boot_spares, provision_once
 from fleet.settings import Settings
 
 API = "/api/v1"

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fleet.data import DEMO_INVENTORY
 from fleet.demo import plan
-from fleet.demo.run import DEMO_INVENTORY, MARKER
+from fleet.demo.run import MARKER
 from fleet.traces import load_trace
 
 FLEETCTL = Path(sys.executable).parent / "fleetctl"

@@ -21,7 +21,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agents.engine.command import (
+from fleet_agent.engine.command import (
     FLAG_KEYS,
     YAML_KEYS,
     check_engine_params,
@@ -176,12 +176,17 @@ def test_every_emitted_flag_is_documented_by_both_release_lines() -> None:
 
 def test_engine_command_prefix_and_absent_params() -> None:
     argv = trtllm_serve_argv(
-        ("/usr/bin/python3", "-m", "agents.engine.standin"), "m", {}, "127.0.0.1", 8100, "o.yaml"
+        ("/usr/bin/python3", "-m", "fleet_agent.engine.standin"),
+        "m",
+        {},
+        "127.0.0.1",
+        8100,
+        "o.yaml",
     )
     assert argv == [
         "/usr/bin/python3",
         "-m",
-        "agents.engine.standin",
+        "fleet_agent.engine.standin",
         "m",
         "--host",
         "127.0.0.1",

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from agents.engine import cost_model as cm
-from agents.engine.core import (
+from fleet_agent.engine.core import (
     CoreConfig,
     EngineCore,
     Finished,
@@ -20,6 +19,7 @@ from agents.engine.core import (
     count_tokens,
     natural_output_tokens,
 )
+from fleet_core import cost_model as cm
 
 
 def make_core(

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from agents.engine import cost_model as cm
-from agents.engine.cost_model import EngineShape
+from fleet_core import cost_model as cm
+from fleet_core.cost_model import EngineShape
 
 
 def shape(gpu: str, model: str = "llama-3.1-8b", **kw: Any) -> EngineShape:

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents.engine import standin
+from fleet_agent.engine import standin
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "/models/demo/llama-3.1-8b"  # served as "llama-3.1-8b", as trtllm-serve would
 SERVED = "llama-3.1-8b"
-STANDIN = [sys.executable, "-m", "agents.engine.standin"]
+STANDIN = [sys.executable, "-m", "fleet_agent.engine.standin"]
 
 
 def free_port() -> int:

@@ -26,8 +26,8 @@ import pytest
 import yaml
 from procs import alive
 
-from agents.engine.command import extra_llm_api_options, trtllm_serve_argv
-from agents.engine.supervisor import (
+from fleet_agent.engine.command import extra_llm_api_options, trtllm_serve_argv
+from fleet_agent.engine.supervisor import (
     EngineSupervisor,
     SupervisorConfig,
     bucket_delta,

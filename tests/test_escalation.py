@@ -1,8 +1,8 @@
-"""The escalation rule (fleet/escalation.py): power cycle, count, quarantine."""
+"""The escalation rule (fleet/provisioning/escalation.py): power cycle, count, quarantine."""
 
 from __future__ import annotations
 
-from fleet.escalation import escalate
+from fleet.provisioning.escalation import escalate
 
 
 def test_a_first_fault_power_cycles_and_counts_one() -> None:

@@ -21,8 +21,8 @@ from sqlmodel import Session, col, select
 
 from fleet.db import make_engine, upgrade
 from fleet.events import EventFilter, list_events, record_update, set_fields
+from fleet.lifecycle.states import ServerState
 from fleet.models import Event, Rack, Server
-from fleet.states import ServerState
 
 ACTOR = "tests:events"
 T0 = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)

@@ -1,4 +1,4 @@
-"""The fault policy, table-tested with hand-built snapshots (agents/fault_policy.py).
+"""The fault policy, table-tested with hand-built snapshots (fleet_core/fault_policy.py).
 
 One row per rule of the policy table, both sides of every threshold, window expiry, combinations
 (the worst verdict and the most severe action win), determinism, and the JSON shape.
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from agents.fault_policy import (
+from fleet_core.fault_policy import (
     APPLICATION_XIDS,
     REBOOT_XIDS,
     XID_MEANINGS,
@@ -25,7 +25,7 @@ from agents.fault_policy import (
     Verdict,
     assess,
 )
-from agents.telemetry.base import ClockEvent, GpuSample, Snapshot, XidEvent
+from fleet_core.telemetry import ClockEvent, GpuSample, Snapshot, XidEvent
 
 T0 = 1_700_000_000.0
 WINDOW = Thresholds().window_s

@@ -1,6 +1,6 @@
 """The fault policy driven through the simulated backend's fault injection.
 
-Every rule of agents/fault_policy.py once more, but with the snapshots a `SimulatedTelemetry`
+Every rule of fleet_core/fault_policy.py once more, but with the snapshots a `SimulatedTelemetry`
 produces after `inject()`: a fake clock advanced by the test, a snapshot every 5 s of fake time
 into a history list, then `assess()`. Nothing sleeps.
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.fault_policy import (
+from fleet_agent.telemetry.simulated import Fault, SimulatedTelemetry
+from fleet_core.fault_policy import (
     APPLICATION_XIDS,
     REBOOT_XIDS,
     Assessment,
@@ -22,8 +23,7 @@ from agents.fault_policy import (
     Verdict,
     assess,
 )
-from agents.telemetry.base import ClockEvent, Snapshot
-from agents.telemetry.simulated import Fault, SimulatedTelemetry
+from fleet_core.telemetry import ClockEvent, Snapshot
 
 T0 = 1_700_000_000.0
 PERIOD = 5.0  # seconds of fake time between snapshots

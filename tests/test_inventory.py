@@ -1,6 +1,7 @@
 """Inventory files end to end: parse → plan → apply on both databases.
 
-The demo colo (inventory/demo.yaml) is the big valid file; the rejection cases break one thing
+The demo colo (fleet/data/inventory/demo.yaml) is the big valid file; the rejection cases break one
+thing
 at a time and check that the error names its exact place, never echoes a BMC password, and
 leaves every row of every table (and, on Postgres, every sequence) as it was.
 """
@@ -14,7 +15,6 @@ import shutil
 import subprocess
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,9 +25,9 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
 
 from fleet.crypto import SecretBox
+from fleet.data import DEMO_INVENTORY
 from fleet.db import session_scope
 from fleet.errors import ValidationFailed
-from fleet.gpu_specs import BUILTIN
 from fleet.inventory import (
     ImportReport,
     InventoryFile,
@@ -36,6 +36,7 @@ from fleet.inventory import (
     import_inventory,
     parse_inventory,
 )
+from fleet.inventory.gpu_models import BUILTIN
 from fleet.models import (
     Deployment,
     Event,
@@ -49,7 +50,7 @@ from fleet.models import (
 
 Doc = dict[str, Any]
 
-DEMO_PATH = Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml"
+DEMO_PATH = DEMO_INVENTORY
 DEMO_TEXT = DEMO_PATH.read_text()
 DEMO_DOC: Doc = yaml.safe_load(DEMO_TEXT)
 DEMO_PASSWORD = "demo-bmc-password"

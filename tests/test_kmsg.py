@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.telemetry.base import GpuSample, TelemetryUnavailable, XidEvent
-from agents.telemetry.kmsg import (
+from fleet_agent.telemetry.kmsg import (
     DmesgReader,
     KmsgReader,
     attach_gpu_indexes,
@@ -30,6 +29,7 @@ from agents.telemetry.kmsg import (
     parse_xid_lines,
     pci_key,
 )
+from fleet_core.telemetry import GpuSample, TelemetryUnavailable, XidEvent
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BOOT = 1_715_000_000.0
@@ -352,7 +352,7 @@ def test_kmsg_reader_survives_overwritten_records(
 
     reader = KmsgReader(log_file, from_start=True, boot_time=BOOT)
     monkeypatch.setattr(os, "read", read_with_epipe)
-    with caplog.at_level(logging.WARNING, logger="agents.telemetry.kmsg"):
+    with caplog.at_level(logging.WARNING, logger="fleet_agent.telemetry.kmsg"):
         assert pairs(reader.read_new()) == KMSG_XIDS
     assert reader.dropped == 1
     assert "overwritten" in caplog.text
@@ -459,7 +459,7 @@ def test_dmesg_reader_timeout_skips_one_round(caplog: pytest.LogCaptureFixture) 
     slow = (sys.executable, "-c", "import time; time.sleep(30)")
     reader = DmesgReader(slow, timeout_s=0.2, include_existing=True)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="agents.telemetry.kmsg"):
+    with caplog.at_level(logging.WARNING, logger="fleet_agent.telemetry.kmsg"):
         assert reader.read_new() == []
     assert time.monotonic() - started < 5.0
     assert "took over 0.2 s" in caplog.text

@@ -1,6 +1,6 @@
 """The virtual colo end to end: a real `fleetctl serve` (embedded SQLite), real BMC EMULATORS
 started by the lab (one sushy-emulator, one ipmi_sim per IPMI server) and real agents (`python
--m agents`, simulated GPUs) started when the fleet powers a server on through its BMC.
+-m fleet_agent`, simulated GPUs) started when the fleet powers a server on through its BMC.
 
 sushy applies a Reset 1-11 s late, so Redfish steps wait up to SETTLE_S. The lab itself runs
 in-process (VirtualColo) for the main scenario, and as a `fleetctl lab up` child process for
@@ -31,8 +31,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 from typer.testing import CliRunner, Result
 
-import cli
-from fleet import db
+from fleet import cli, db
 from fleet.lab.colo import (
     LAB_PASSWORD,
     LabError,
@@ -42,8 +41,8 @@ from fleet.lab.colo import (
     recorded_processes,
 )
 from fleet.lab.sushy import free_port
+from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Server
-from fleet.states import ServerState
 
 if shutil.which("ipmi_sim") is None or shutil.which("ipmitool") is None:
     if os.environ.get("CI") == "true":

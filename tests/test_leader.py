@@ -1,4 +1,4 @@
-"""Leader election (fleet/leader.py) for the singleton control loops, against real Postgres.
+"""Leader election (fleet/control/leader.py) for the singleton control loops, against real Postgres.
 
 - Unit level: two `PostgresLeadership` objects contend for one advisory lock in a throwaway
   database of the test's own; `FileLeadership` (SQLite) contends through flock.
@@ -39,7 +39,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
 from fleet import db
-from fleet.leader import (
+from fleet.control.leader import (
     FileLeadership,
     PostgresLeadership,
     SoleProcess,
@@ -47,7 +47,7 @@ from fleet.leader import (
     identity,
     leadership_for,
 )
-from fleet.loops import SingletonLoop
+from fleet.control.loops import SingletonLoop
 from fleet.models import Event
 
 T = TypeVar("T")
@@ -173,7 +173,7 @@ def test_a_leader_whose_connection_is_terminated_steps_down(
     leader_engine: Engine,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="fleet.leader")
+    caplog.set_level(logging.INFO, logger="fleet.control.leader")
     leader, follower = contender(), contender()
     assert leader.is_leader() and not follower.is_leader()
     [holder] = advisory_holders(leader_engine)
@@ -227,7 +227,7 @@ def test_leadership_for_each_backend(tmp_path: Path) -> None:
         by_file = leadership_for(sqlite_file, "control", LEASE_S)
         assert isinstance(by_file, FileLeadership)
         assert by_file.is_leader()
-        assert (tmp_path / "fleet.control.leader").read_text() == identity() + "\n"
+        assert (tmp_path / "fleet.control.service_loops.leader").read_text() == identity() + "\n"
         by_file.release()
         assert isinstance(leadership_for(memory, "control", LEASE_S), SoleProcess)
     finally:
@@ -242,7 +242,7 @@ def test_leadership_for_each_backend(tmp_path: Path) -> None:
 def test_file_leadership_two_holders_in_one_process(tmp_path: Path) -> None:
     """flock belongs to an open file description: a second open of the file, even in the same
     process, does not get the lock while the first holds it."""
-    path = tmp_path / "locks" / "fleet.control.leader"
+    path = tmp_path / "locks" / "fleet.control.service_loops.leader"
     first, second = FileLeadership(path, "control"), FileLeadership(path, "control")
     try:
         assert first.is_leader() is True
@@ -269,7 +269,7 @@ time.sleep(60)
 
 
 def test_file_leadership_is_freed_when_its_holder_is_killed(tmp_path: Path) -> None:
-    path = tmp_path / "fleet.control.leader"
+    path = tmp_path / "fleet.control.service_loops.leader"
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD_HOLDS_FLOCK, str(path)],
         stdout=subprocess.PIPE,
@@ -365,7 +365,7 @@ def test_a_failing_leader_hands_the_lead_to_a_healthy_one(
 ) -> None:
     """Two processes' worth of loops on one lock: the leader's ticks all fail (as when its pool
     is exhausted), the follower's work. The leader gives up the lock and the follower leads."""
-    caplog.set_level(logging.INFO, logger="fleet.leader")
+    caplog.set_level(logging.INFO, logger="fleet.control.leader")
 
     def broken() -> None:
         raise RuntimeError("QueuePool limit reached")
@@ -394,11 +394,12 @@ def test_a_failing_leader_hands_the_lead_to_a_healthy_one(
 def test_the_service_loops_step_down_together_and_say_why_in_an_event(
     migrated_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fleet/control.py: the four loops share one StepDown; failed provisioner ticks (the
+    """fleet/control/service_loops.py: the four loops share one StepDown; failed provisioner ticks
+    (the
     loop that ticks most) make the process give up the lead, with a service.follower Event."""
     from pydantic import SecretStr
 
-    from fleet import control
+    from fleet.control import service_loops as control
     from fleet.crypto import SecretBox
     from fleet.settings import Settings
 
@@ -468,7 +469,7 @@ class Service:
 
     @property
     def process(self) -> str:
-        """The name its Events give it: host:pid (fleet.leader.identity)."""
+        """The name its Events give it: host:pid (fleet.control.leader.identity)."""
         return f"{socket.gethostname()}:{self.proc.pid}"
 
     def get(self, path: str) -> httpx.Response | None:

@@ -1,4 +1,5 @@
-"""fleet.lifecycle on both databases: the full transition matrix, events, and refusals."""
+"""fleet.lifecycle.transitions on both databases: the full transition matrix, events, and
+refusals."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from fleet.errors import IllegalTransitionError, NotFoundError
-from fleet.lifecycle import transition
+from fleet.lifecycle.states import INITIAL, TERMINAL, TRANSITIONS, ServerState
+from fleet.lifecycle.transitions import transition
 from fleet.models import Event, Rack, Server
-from fleet.states import INITIAL, TERMINAL, TRANSITIONS, ServerState
 
 ORDER = list(ServerState)
 LEGAL = [(a, b) for a in ORDER for b in sorted(TRANSITIONS[a], key=ORDER.index)]

@@ -35,7 +35,7 @@ import sqlalchemy as sa
 from factories import TEST_SECRET_KEY
 from pg import throwaway_database
 
-from fleet.stats import quantile
+from fleet_core.stats import quantile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import heartbeats as hb  # bench/ is a directory of scripts, not a package
@@ -134,7 +134,7 @@ HANGS_ON_SHUTDOWN = """
 import asyncio, contextlib, sys, time
 import uvicorn
 from fastapi import FastAPI
-import cli
+from fleet import cli
 
 @contextlib.asynccontextmanager
 async def lifespan(_):
@@ -148,7 +148,7 @@ cli._serve_bounded(config, 1.0)
 
 
 def test_the_shutdown_watchdog_ends_a_process_whose_shutdown_hangs(tmp_path: Path) -> None:
-    """cli.py's last resort: SIGTERM, then a shutdown that hangs; the process exits anyway at
+    """fleet/cli/'s last resort: SIGTERM, then a shutdown that hangs; the process exits anyway at
     the bound (FLEET_SHUTDOWN_TIMEOUT_S), saying why."""
     root = Path(__file__).resolve().parent.parent
     child = subprocess.Popen(

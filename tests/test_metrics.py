@@ -19,12 +19,6 @@ from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from agents.config import AgentSettings
-from agents.daemon import Agent
-from agents.engine.supervisor import EngineSupervisor
-from agents.fleet_client import FleetClient
-from agents.local_api import MIB, AgentCollector
-from agents.telemetry.simulated import Fault, SimulatedTelemetry
 from fleet.api.metrics import FleetCollector
 from fleet.bmc import metrics as bmc_metrics
 from fleet.bmc.base import (
@@ -36,7 +30,7 @@ from fleet.bmc.base import (
     PowerDriver,
     Sensors,
 )
-from fleet.metrics_db import DECISION_RULES
+from fleet.lifecycle.states import ServerState
 from fleet.models import (
     BmcProtocol,
     Deployment,
@@ -46,8 +40,14 @@ from fleet.models import (
     Server,
     utcnow,
 )
-from fleet.provisioning import set_paused
-from fleet.states import ServerState
+from fleet.observability.fleet_metrics import DECISION_RULES
+from fleet.provisioning.workflows import set_paused
+from fleet_agent.config import AgentSettings
+from fleet_agent.daemon import Agent
+from fleet_agent.engine.supervisor import EngineSupervisor
+from fleet_agent.fleet_client import FleetClient
+from fleet_agent.local_api import MIB, AgentCollector
+from fleet_agent.telemetry.simulated import Fault, SimulatedTelemetry
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

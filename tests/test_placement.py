@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleet.placement import (
+from fleet.provisioning.placement import (
     Choice,
     RackRoom,
     Serving,

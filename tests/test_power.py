@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleet.power import (
+from fleet.power.budget import (
     Feed,
     ServerDraw,
     Side,

@@ -38,7 +38,7 @@ from live import YAML, Live, closed_port, serve
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner, Result
 
-import cli
+from fleet import cli
 from fleet.lab.ipmi_sim import IpmiSim, free_udp_port
 from fleet.lab.sushy import FakeSystem, SushyEmulator, fake_systems
 from fleet.models import Role

@@ -1,4 +1,4 @@
-"""fleet.power_control on both databases, with a fake driver (the real drivers are tested
+"""fleet.power.actions on both databases, with a fake driver (the real drivers are tested
 against real emulators in test_bmc_redfish.py / test_bmc_ipmi.py)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from fleet.bmc.base import ActionResult, BmcInfo, BmcTarget, BmcUnreachable, Pow
 from fleet.bmc.bulk import Stagger
 from fleet.crypto import SecretBox
 from fleet.errors import NotFoundError
+from fleet.lifecycle.states import ServerState
 from fleet.models import BmcProtocol, Event, Pool, PowerState, Server
-from fleet.power_control import Action, PowerReport, power, server_power_lock, verify
+from fleet.power.actions import Action, PowerReport, power, server_power_lock, verify
 from fleet.settings import Settings
-from fleet.states import ServerState
 
 ON, OFF = PowerState.ON, PowerState.OFF
 

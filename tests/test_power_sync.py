@@ -6,8 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from fleet.lifecycle.states import ServerState
 from fleet.models import PowerState
-from fleet.power_sync import (
+from fleet.power.reconcile_policy import (
     Due,
     ServerView,
     SyncPolicy,
@@ -17,7 +18,6 @@ from fleet.power_sync import (
     judge_failure,
     judge_reading,
 )
-from fleet.states import ServerState
 
 ON, OFF, UNKNOWN = PowerState.ON, PowerState.OFF, PowerState.UNKNOWN
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

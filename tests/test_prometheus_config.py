@@ -1,4 +1,5 @@
-"""`fleetctl prometheus-config`'s files (fleet/prometheus_config.py): pure, no Prometheus needed
+"""`fleetctl prometheus-config`'s files (fleet/observability/prometheus_config.py): pure, no
+Prometheus needed
 (promtool checks them where Debian's prometheus package is installed)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fleet.prometheus_config import (
+from fleet.observability.prometheus_config import (
     CONFIG_FILE,
     TARGET_FILES,
     InvalidConfig,

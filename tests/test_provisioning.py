@@ -1,4 +1,4 @@
-"""fleet.provisioning on both databases, with a scripted BMC and scripted agent reports.
+"""fleet.provisioning.workflows on both databases, with a scripted BMC and scripted agent reports.
 
 The virtual-colo end-to-end runs are in tests/test_provisioning_e2e.py; here each workflow step
 is driven tick by tick (`provision_once`) so every rule is pinned exactly: the write-ahead
@@ -19,13 +19,13 @@ from factories import TEST_SECRET_KEY, add_rack, add_server, add_site, feed
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet import provisioning
 from fleet.bmc.base import ActionResult, BmcInfo, BmcUnreachable, PowerDriver, Sensors
 from fleet.crypto import SecretBox
+from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Pool, PowerState, Server, utcnow
-from fleet.provisioning import boot_spares, provision_once, set_paused
+from fleet.provisioning import workflows as provisioning
+from fleet.provisioning.workflows import boot_spares, provision_once, set_paused
 from fleet.settings import Settings
-from fleet.states import ServerState
 
 S = ServerState
 ON, OFF = PowerState.ON, PowerState.OFF

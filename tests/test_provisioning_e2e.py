@@ -1,6 +1,6 @@
 """Provisioning end to end: a real `fleetctl serve` on a throwaway Postgres database drives the
 virtual colo (real BMC emulators: one sushy-emulator, one ipmi_sim per IPMI server; real agents
-with stand-in engines) through fleet/provisioning.py's workflows.
+with stand-in engines) through fleet/provisioning/workflows.py's workflows.
 
 One service, one lab and one deployment are shared by the module (start-up is the expensive
 part on a 2-core machine); each test waits for the fleet to settle first and asks for the
@@ -54,12 +54,11 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 from typer.testing import CliRunner, Result
 
-import cli
-from fleet import db
+from fleet import cli, db
 from fleet.lab.colo import VirtualColo
 from fleet.lab.sushy import free_port
+from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Server
-from fleet.states import ServerState
 
 pytestmark = pytest.mark.postgres
 
@@ -378,7 +377,8 @@ class World:
         the provisioner commits its write-ahead `power_on_sent_at`, then `_power` finds the
         server's power lock held (the reconciler reading that BMC, say), raises ServerBusy and
         sends nothing; nothing then resends a cycle (the server fails at the boot deadline),
-        and a power-on only after `power_retry_after_s`. A bug of fleet/provisioning.py (see
+        and a power-on only after `power_retry_after_s`. A bug of fleet/provisioning/workflows.py
+        (see
         the report); the tests that meet it xfail, saying so (`known_bug`)."""
         with Session(self.engine) as session:
             events = session.exec(
@@ -1080,7 +1080,8 @@ def _breaker(fleet: World, sick: list[str], total: int) -> bool:
     time.sleep(1.5)  # 3 provisioner ticks
     reopened = fleet.events(mark, "autopilot", "autopilot.breaker_open")
     if reopened:
-        # BUG (fleet/provisioning.py, _check_breaker): the next tick counts the same health
+        # BUG (fleet/provisioning/workflows.py, _check_breaker): the next tick counts the same
+        # health
         # events again and re-opens the breaker at once; a resume is void for the whole window
         # (600 s by default). Still nothing moves; once the window (FLEET_BREAKER_WINDOW_S
         # here) has passed, the latched breaker still waits for an operator, and a second

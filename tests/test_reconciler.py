@@ -24,11 +24,11 @@ from sqlmodel import Session, col, select
 from fleet.crypto import SecretBox
 from fleet.lab.ipmi_sim import IpmiSim
 from fleet.lab.sushy import FakeSystem, SushyEmulator
+from fleet.lifecycle.states import ServerState
 from fleet.models import BmcProtocol, Event, PowerState, Server, utcnow
-from fleet.power_control import power, server_power_lock
-from fleet.reconciler import TickReport, reconcile_once
+from fleet.power.actions import power, server_power_lock
+from fleet.power.reconciler import TickReport, reconcile_once
 from fleet.settings import Settings
-from fleet.states import ServerState
 
 if shutil.which("ipmi_sim") is None or shutil.which("ipmitool") is None:
     if os.environ.get("CI") == "true":

@@ -28,7 +28,7 @@ from fleet.autoscaler.policy import RouterLoad, aggregate
 from fleet.autoscaler.service import History, autoscale_once
 from fleet.lab.sushy import free_port
 from fleet.models import Deployment, Pool, Role, RouterReport, ScalingDecision, utcnow
-from fleet.routing_table import DeploymentLoad, LoadReport, record_report, router_loads
+from fleet.registry.routing_table import DeploymentLoad, LoadReport, record_report, router_loads
 from fleet.settings import Settings
 
 FLEETCTL = Path(sys.executable).parent / "fleetctl"

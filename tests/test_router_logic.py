@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from agents.engine.core import count_tokens
 from fleet.router.admission import AdmissionQueue
 from fleet.router.discovery import apply_agent_state
 from fleet.router.estimates import OutputEstimate, Throughput, prior_capacity
@@ -25,6 +24,7 @@ from fleet.router.strategy import (
     make,
 )
 from fleet.router.tokens import max_output, prompt_tokens
+from fleet_agent.engine.core import count_tokens
 
 SMALL = Request("m", prompt_tokens=100, expected_output=50)
 

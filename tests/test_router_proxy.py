@@ -1,10 +1,10 @@
 """The router end to end: a real `fleetctl router run` in front of real stand-in engines
-(`python -m agents.engine.standin`, trtllm-serve's HTTP API), spoken to with the official
+(`python -m fleet_agent.engine.standin`, trtllm-serve's HTTP API), spoken to with the official
 `openai` client.
 
 The router reads a routing table file (the same shape as the fleet's GET /api/v1/routing). Where
 a test needs an agent, `AgentDouble` serves the agent's /state contract (ready, draining, per
-replica state, queue, KV) from the test: a TEST DOUBLE of agents/local_api.py's /state, so that
+replica state, queue, KV) from the test: a TEST DOUBLE of fleet_agent/local_api.py's /state, so that
 the test can turn a replica not-ready at a moment of its choosing. tests/test_agent_api.py
 covers the real /state.
 
@@ -61,7 +61,7 @@ class Engine:
             "FLEET_STANDIN_SPEEDUP": str(speedup),
             "FLEET_STANDIN_DRAIN_S": "20",
         }
-        args = [sys.executable, "-m", "agents.engine.standin", MODEL, "--host", "127.0.0.1"]
+        args = [sys.executable, "-m", "fleet_agent.engine.standin", MODEL, "--host", "127.0.0.1"]
         args += ["--port", str(self.port), "--max_batch_size", str(max_batch)]
         with log.open("ab") as out:
             self.proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)

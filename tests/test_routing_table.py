@@ -1,4 +1,4 @@
-"""fleet.routing_table on both databases: who a router may send to, per deployment."""
+"""fleet.registry.routing_table on both databases: who a router may send to, per deployment."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from factories import add_rack, add_server, add_site
 from sqlmodel import Session
 
 from fleet.models import Deployment, utcnow
-from fleet.routing_table import routing_table, served_name
+from fleet.registry.routing_table import routing_table, served_name
 from fleet.settings import Settings
 
 

@@ -1,7 +1,7 @@
 """The scheduled-scaling calendar's REST API and `fleetctl schedule`, against a live service.
 
 One uvicorn server per module per database (SQLite and Postgres); every test starts from empty
-tables with inventory/demo.yaml imported. What is pinned here (docs/calendar.md):
+tables with fleet/data/inventory/demo.yaml imported. What is pinned here (docs/calendar.md):
 
 - entries: add (201, `schedule.created`), list and show with the next window and the early
   start (`lead_s`: FLEET_BOOT_ESTIMATE_S until a boot of the GPU models the deployment would
@@ -27,21 +27,22 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from factories import walk_to
-from live import DEMO_INVENTORY, YAML, Live, load_demo, serve
+from live import YAML, Live, load_demo, serve
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 from typer.testing import CliRunner, Result
 
-import cli
+from fleet import cli
+from fleet.data import DEMO_INVENTORY
+from fleet.lifecycle.states import ServerState
 from fleet.models import Role, Server
-from fleet.states import ServerState
 
 API = "/api/v1"
 URL = f"{API}/schedules"
 DEMO = load_demo()
 BERLIN = "Europe/Berlin"
 WEEKDAYS_9 = "0 9 * * 1-5"
-# llama-70b: H100 or H200, at most 24 replicas (inventory/demo.yaml).
+# llama-70b: H100 or H200, at most 24 replicas (fleet/data/inventory/demo.yaml).
 DEPLOYMENT = "llama-70b"
 MAX_REPLICAS = 24
 ENTRY: dict[str, Any] = {
@@ -640,7 +641,7 @@ def test_cli_add_list_preview_rm(api: Api, fleetctl: Fleetctl) -> None:
 
 
 def test_cli_rm(api: Api, fleetctl: Fleetctl) -> None:
-    """FAILS (a bug in cli.py `Api.request`, met through DELETE /schedules/{id}): the 204 answer
+    """FAILS (a bug in fleet/cli/ `Api.request`, met through DELETE /schedules/{id}): the 204 answer
     has no body but says `content-type: application/json`, and the client decodes it: the entry
     is removed, yet fleetctl prints "error: Expecting value: line 1 column 1 (char 0)" and
     exits 1."""
@@ -655,7 +656,7 @@ def test_cli_rm(api: Api, fleetctl: Fleetctl) -> None:
 
 
 def test_cli_add_table_output(api: Api, fleetctl: Fleetctl) -> None:
-    """FAILS (a bug in cli.py `schedule_add`): the table output reads `next['boot_local']`, a
+    """FAILS (a bug in fleet/cli/ `schedule_add`): the table output reads `next['boot_local']`, a
     key the API does not send (`boot_at_local`), so a successful add ends in a KeyError
     traceback and exit code 1 after the entry was created."""
     result = fleetctl(*ADD, "--for", "9h")

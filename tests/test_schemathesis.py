@@ -26,9 +26,11 @@ import httpx
 import pytest
 from colo_world import ServeProcess
 from factories import TEST_SECRET_KEY
-from live import DEMO_INVENTORY, YAML
+from live import YAML
 from pg import migrated_database
 from sqlalchemy.engine import Engine
+
+from fleet.data import DEMO_INVENTORY
 
 SCHEMATHESIS = Path(sys.executable).parent / "st"
 MAX_TIME_S = int(os.environ.get("FLEET_SCHEMATHESIS_MAX_TIME_S", "120"))

@@ -48,8 +48,9 @@ from live import (
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
-import cli
+from fleet import cli
 from fleet.crypto import SecretBox
+from fleet.data import SCENARIOS_DIR
 from fleet.lab.ipmi_sim import IpmiSim, free_udp_port
 from fleet.lab.sushy import FakeSystem, SushyEmulator
 from fleet.models import Role
@@ -632,7 +633,7 @@ def _run_every_command(
     cmd(("router", "run"), "--port", "0", code=1)
     cmd(("router", "run"), "--port", "0", "--strategy", "fastest", code=1)
     # The simulator on the example scenario, and on a file that is not there (one line).
-    scenario = Path(__file__).resolve().parent.parent / "scenarios" / "mixed-code.yaml"
+    scenario = SCENARIOS_DIR / "mixed-code.yaml"
     cmd(("simulate",), str(scenario), "--compare", "round_robin,estimated_completion_time")
     cmd(("simulate",), str(tmp_path / "no-such-scenario.yaml"), code=1)
     # Its compiler, where there is none (one line; tests/test_sim_native.py builds for real).

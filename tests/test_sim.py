@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from agents.engine import cost_model as cm
 from fleet.sim.arrivals import Arrival, Constant, Diurnal, FixedSizes, poisson
 from fleet.sim.core import DeploymentSpec, Simulation, summarize
 from fleet.sim.engine import Engine, SimRequest
 from fleet.sim.scenario import Scenario, compare, generate, load, run, run_requests, table
+from fleet_core import cost_model as cm
 
 MIXED: dict[str, Any] = {
     "name": "mixed-code",

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fleet.calendar.plan import due, lead_time
+from fleet.data import SCENARIOS_DIR
 from fleet.sim.autoscale import BootTime
 from fleet.sim.calendar import BOOTS_MEASURED, DEFAULT_BOOT_S, Calendar, EntryModel, entries
 from fleet.sim.scenario import Scenario, ScenarioError, load, run
@@ -193,7 +194,7 @@ def test_start_defaults_and_without_an_offset_is_utc() -> None:
 
 
 def test_the_launch_scenario_file() -> None:
-    scenario = load(ROOT / "scenarios" / "launch-calendar.yaml")
+    scenario = load(SCENARIOS_DIR / "launch-calendar.yaml")
     result, summary = run(scenario)
     [fired] = result.fired
     lead = lead_time(["H100"], {"H100": (BootTime(900, 120).p90_s, BOOTS_MEASURED)}, 1200.0)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-import cli
+from fleet import cli
 from fleet.sim import charts
 from fleet.sim.autoscale import AutoscaleSpec, ScalePoint
 from fleet.sim.core import DeploymentSpec, RunResult

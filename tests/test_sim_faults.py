@@ -7,8 +7,6 @@ import itertools
 import math
 import random
 
-from agents.fault_policy import RepairAction, Verdict
-from agents.telemetry.base import Snapshot
 from fleet.sim import faults as flt
 from fleet.sim.arrivals import Constant, FixedSizes, poisson
 from fleet.sim.autoscale import AutoscaleSpec, BootTime
@@ -16,6 +14,8 @@ from fleet.sim.core import DeploymentSpec, RunResult, Simulation, summarize
 from fleet.sim.engine import SimRequest
 from fleet.sim.faults import FaultSpec
 from fleet.sim.scenario import Scenario, run, table
+from fleet_core.fault_policy import RepairAction, Verdict
+from fleet_core.telemetry import Snapshot
 
 HOUR = 3600.0
 
@@ -87,7 +87,8 @@ def test_an_application_xid_restarts_the_engine_and_the_router_retries() -> None
 
 def test_reset_xids_reboot_then_quarantine_by_the_escalation_rule() -> None:
     # Xid 79 (fell off the bus) every ~20 min per GPU, max 2 reboots for the same fault: each
-    # server reboots twice and is quarantined the third time (fleet.escalation.escalate).
+    # server reboots twice and is quarantined the third time
+    # (fleet.provisioning.escalation.escalate).
     spec = FaultSpec(xids_per_gpu_hour=3.0, mix=((79, 1.0),), drain_deadline_s=600.0)
     result = _run(spec, hours=6.0)
     f = result.faults

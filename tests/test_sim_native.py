@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from fleet.data import SCENARIOS_DIR
 from fleet.sim import native
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +104,7 @@ def built() -> Path:
 
 
 def _run(mode: str, scenario: str, cut: float, xids: float, variants: list[str]) -> dict[str, Any]:
-    path = str(ROOT / "scenarios" / scenario)
+    path = str(SCENARIOS_DIR / scenario)
     done = subprocess.run(
         [sys.executable, "-c", RUN, mode, path, str(cut), str(xids), *variants],
         env=_env(),
@@ -136,7 +137,7 @@ def test_compiled_runs_give_the_same_requests_to_the_bit(
 
 
 def test_simulate_says_which_build_runs(built: Path) -> None:
-    scenario = str(ROOT / "scenarios" / "mixed-code.yaml")
+    scenario = str(SCENARIOS_DIR / "mixed-code.yaml")
     runs = {}
     for flags in ([], ["--pure"]):
         done = subprocess.run(

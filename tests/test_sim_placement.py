@@ -1,12 +1,11 @@
 """Racks, power and placement in the simulator (fleet/sim/racks.py): spares are chosen and
-released by the production rules in fleet/placement.py."""
+released by the production rules in fleet/provisioning/placement.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from fleet.data import SCENARIOS_DIR
 from fleet.sim import racks as sim_racks
 from fleet.sim.arrivals import Constant, FixedSizes, poisson
 from fleet.sim.autoscale import AutoscaleSpec, BootTime
@@ -154,7 +153,7 @@ def test_a_spare_with_the_model_cached_loads_faster() -> None:
 
 
 def test_the_racks_and_faults_example_loads() -> None:
-    sc = load(Path(__file__).resolve().parent.parent / "scenarios" / "racks-faults.yaml")
+    sc = load(SCENARIOS_DIR / "racks-faults.yaml")
     assert sc.shared_pool() == {"H100": 8} and not sc.warm_pool
     spec = sc.deployments[0].spec(faults=sc.faults)
     assert spec.faults is not None and spec.faults.xids_per_gpu_hour == 0.5

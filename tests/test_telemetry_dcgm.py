@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from agents.telemetry.base import ClockEvent, GpuSample, TelemetryUnavailable, XidEvent
-from agents.telemetry.dcgm import (
+from fleet_agent.telemetry.dcgm import (
     DcgmScrapeError,
     DcgmTelemetry,
     parse_dcgm,
 )
+from fleet_core.telemetry import ClockEvent, GpuSample, TelemetryUnavailable, XidEvent
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "dcgm_exporter_metrics.txt").read_text()
 NOW = 1_750_000_000.0

@@ -12,8 +12,8 @@ import pynvml  # type: ignore[import-untyped]
 import pytest
 from nvml_standin import DRIVER_VERSION, H100_MEMORY_MIB, HGX_BUS_IDS, NvmlStandIn, eight_h100s
 
-from agents.telemetry.base import ClockEvent, GpuSample, TelemetryUnavailable, XidEvent
-from agents.telemetry.nvml import UNAVAILABLE, NvmlTelemetry
+from fleet_agent.telemetry.nvml import UNAVAILABLE, NvmlTelemetry
+from fleet_core.telemetry import ClockEvent, GpuSample, TelemetryUnavailable, XidEvent
 
 NOW = 1_750_000_000.0
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from agents.telemetry.base import ClockEvent, GpuSample, Snapshot
-from agents.telemetry.simulated import (
+from fleet_agent.telemetry.simulated import (
     ALL_GPUS,
     DRIVER_VERSION,
     MODELS,
     Fault,
     SimulatedTelemetry,
 )
+from fleet_core.telemetry import ClockEvent, GpuSample, Snapshot
 
 THERMAL = ClockEvent.HW_THERMAL_SLOWDOWN | ClockEvent.SW_THERMAL_SLOWDOWN
 # Per-snapshot noise bounds in simulated.py: ±1.5 W power, ±0.5 °C temperature.
@@ -501,7 +501,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_malformed_fault_file_is_ignored_with_one_warning_per_change(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="agents.telemetry.simulated")
+    caplog.set_level(logging.WARNING, logger="fleet_agent.telemetry.simulated")
     path = tmp_path / "faults.json"
     sim, _, _ = make(fault_file=path)
     write_faults(path, [{"id": "a", "kind": "ecc_uncorrected", "count": 1}])
@@ -539,7 +539,7 @@ def test_malformed_fault_file_is_ignored_with_one_warning_per_change(
 def test_fault_file_entry_for_a_missing_gpu_is_skipped_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="agents.telemetry.simulated")
+    caplog.set_level(logging.WARNING, logger="fleet_agent.telemetry.simulated")
     path = tmp_path / "faults.json"
     sim, _, _ = make(gpus=2, fault_file=path)
     write_faults(
@@ -557,7 +557,7 @@ def test_fault_file_entry_for_a_missing_gpu_is_skipped_with_a_warning(
 def test_fault_file_with_duplicate_ids_or_wrong_shape_is_ignored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="agents.telemetry.simulated")
+    caplog.set_level(logging.WARNING, logger="fleet_agent.telemetry.simulated")
     path = tmp_path / "faults.json"
     sim, _, _ = make(fault_file=path)
     write_faults(path, [{"id": "x", "kind": "gpu_lost"}, {"id": "x", "kind": "gpu_lost"}])

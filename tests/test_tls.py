@@ -33,23 +33,24 @@ from procs import stop_group
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-import cli
-from agents.config import AgentSettings
-from agents.fleet_client import FleetClient, FleetUnreachable
-from agents.main import run as run_agent
+from fleet import cli
 from fleet.auth import create_token
+from fleet.data import DEMO_INVENTORY
 from fleet.db import make_engine, session_scope
 from fleet.lab.sushy import free_port
 from fleet.models import Role
-from fleet.quality_probe import ask_agent_http, http_asker
+from fleet.provisioning.quality_probe import ask_agent_http, http_asker
 from fleet.router.config import RouterSettings
 from fleet.router.discovery import WorkerView, client_tls
 from fleet.settings import Settings, get_settings
 from fleet.tls import client_context
+from fleet_agent.config import AgentSettings
+from fleet_agent.fleet_client import FleetClient, FleetUnreachable
+from fleet_agent.main import run as run_agent
 
 T = TypeVar("T")
 FLEETCTL = Path(sys.executable).parent / "fleetctl"
-DEMO = Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml"
+DEMO = DEMO_INVENTORY
 SERVER = "fra1-r01-h100-01"
 AGENT_KEY = "the-agents-local-api-key-for-tls-0123"
 START_S = 60.0  # a child process answering, at most (two shared cores)
@@ -384,7 +385,7 @@ def test_the_agent_registers_over_tls_and_requires_client_certificates(world: Wo
 
 
 def test_the_fleets_probe_presents_its_client_certificate(world: World) -> None:
-    """fleet/quality_probe.py's client, configured as `fleetctl serve` would be."""
+    """fleet/provisioning/quality_probe.py's client, configured as `fleetctl serve` would be."""
     settings = Settings(
         tls_ca_bundle=world.pki.ca,
         tls_client_cert=world.pki.client_cert,

@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 from typer.testing import CliRunner
 
-import cli
+from fleet import cli
 from fleet.auth import (
     MAX_LIFETIME,
     MAX_TOKEN_NAME,

@@ -22,14 +22,14 @@ from factories import TEST_SECRET_KEY
 from hypothesis import HealthCheck, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
-from live import DEMO_INVENTORY, YAML, Live, serve
+from live import YAML, Live, serve
 from pydantic import SecretStr, ValidationError
 from sqlalchemy.engine import Engine
 
-import cli
-from fleet import db, validation
+from fleet import cli, db, validation
 from fleet.api.app import create_app
 from fleet.api.openapi import NO_CONTROL
+from fleet.data import DEMO_INVENTORY
 from fleet.errors import ValidationFailed
 from fleet.inventory.schema import MAX_ENTRIES, MAX_ERRORS, parse_inventory
 from fleet.models import (
@@ -39,7 +39,7 @@ from fleet.models import (
     Role,
     ServerUpdate,
 )
-from fleet.routing_table import DeploymentLoad
+from fleet.registry.routing_table import DeploymentLoad
 from fleet.settings import Settings
 
 API = "/api/v1"

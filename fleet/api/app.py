@@ -36,10 +36,10 @@ from fleet.api.routes import (
 )
 from fleet.api.routes import events as events_routes
 from fleet.api.routes.health import Readiness
-from fleet.control import build_loops
+from fleet.control.loops import stop_all
+from fleet.control.service_loops import build_loops
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError, ValidationFailed
-from fleet.loops import stop_all
 from fleet.settings import Settings, get_settings
 from fleet.validation import error_messages
 
@@ -84,7 +84,8 @@ def create_app(
     if migrate:
         prepare_database(settings, engine)
 
-    # The singleton loops run while the server runs (and only in the leader: fleet/leader.py).
+    # The singleton loops run while the server runs (and only in the leader:
+    # fleet/control/leader.py).
     loops = build_loops(settings, engine, box) if settings.run_loops else []
     readiness = Readiness(engine)
 
@@ -99,7 +100,7 @@ def create_app(
         try:
             yield
         finally:
-            # Within the shutdown bound (cli.py's `serve` has a watchdog past it): a tick stuck
+            # Within the shutdown bound (fleet/cli/'s `serve` has a watchdog past it): a tick stuck
             # in a BMC call is left behind rather than waited for.
             stop_all(loops, max(1.0, settings.shutdown_timeout_s - settings.shutdown_grace_s - 1))
             readiness.stop()

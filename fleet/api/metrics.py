@@ -1,7 +1,8 @@
 """Prometheus metrics of the fleet service (docs/metrics.md lists every series).
 
 - `FleetCollector`: the fleet as the database holds it, read on each scrape (servers, racks,
-  deployments, decisions, warm pool, autopilot, boot and load durations: fleet/metrics_db.py),
+  deployments, decisions, warm pool, autopilot, boot and load durations:
+  fleet/observability/fleet_metrics.py),
   and the BMC calls this process made (fleet/bmc/metrics.py).
 - `LoopCollector`: the singleton loops of this process.
 - `HttpMetrics`: this process's API requests.
@@ -21,12 +22,12 @@ from starlette.requests import Request
 from starlette.types import Scope
 
 from fleet.bmc import metrics as bmc_metrics
-from fleet.loops import SingletonLoop
-from fleet.metrics_db import MeasuredDurations, families
+from fleet.control.loops import SingletonLoop
+from fleet.lifecycle.states import ServerState
 from fleet.models import PowerState, Rack, Server, Site
-from fleet.power_sync import is_mismatched
-from fleet.racks import rack_views
-from fleet.states import ServerState
+from fleet.observability.fleet_metrics import MeasuredDurations, families
+from fleet.power.racks import rack_views
+from fleet.power.reconcile_policy import is_mismatched
 
 
 class FleetCollector(Collector):

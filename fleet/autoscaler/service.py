@@ -29,13 +29,13 @@ from fleet.autoscaler.policy import (
     aggregate,
     decide,
 )
-from fleet.boot_times import measured_boots, p90
 from fleet.events import deployment_event
+from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, ScalingDecision, Server, utcnow
-from fleet.provisioning import get_autopilot
-from fleet.routing_table import router_loads
+from fleet.provisioning.boot_times import measured_boots, p90
+from fleet.provisioning.workflows import get_autopilot
+from fleet.registry.routing_table import router_loads
 from fleet.settings import Settings
-from fleet.states import ServerState
 
 ACTOR = "autoscaler"
 S = ServerState

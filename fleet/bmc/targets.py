@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from fleet.bmc.base import BmcRefused, BmcTarget, Timeouts
 from fleet.crypto import SecretBox
+from fleet.inventory.servers import has_bmc_password
 from fleet.models import BmcProtocol, Server
-from fleet.servers import has_bmc_password
 from fleet.settings import Settings
 
 

@@ -30,7 +30,6 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from fleet.autoscaler.service import gpus_per_server, replicas_per_server, servers_for_replicas
-from fleet.boot_times import measured_boots, p90_by_model
 from fleet.calendar.cron import CronError, parse, zone
 from fleet.calendar.plan import (
     Due,
@@ -45,10 +44,11 @@ from fleet.calendar.plan import (
     raised_target,
 )
 from fleet.events import deployment_event
+from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, ScalingDecision, ScheduleEntry, Server, utcnow
-from fleet.provisioning import get_autopilot
+from fleet.provisioning.boot_times import measured_boots, p90_by_model
+from fleet.provisioning.workflows import get_autopilot
 from fleet.settings import Settings
-from fleet.states import ServerState
 
 log = logging.getLogger(__name__)
 ACTOR = "calendar"

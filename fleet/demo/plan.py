@@ -1,6 +1,7 @@
 """The demo's script (pure: plain data in, plain data out): its fleet, its timeline, its traffic.
 
-The fleet: the first `servers` 4 × L40S servers of inventory/demo.yaml's ams1-r03 rack, all warm
+The fleet: the first `servers` 4 × L40S servers of fleet/data/inventory/demo.yaml's ams1-r03 rack,
+all warm
 spares, behind the Redfish emulator (sushy-tools installs with pip, so the demo needs no system
 package; the inventory's own L40S BMCs speak IPMI). One deployment, Llama-3.1-70B FP8 on four
 L40S (TP 4, one replica a server), whose stand-in engines run ~10 tokens/s per request: a few

@@ -13,7 +13,7 @@ from typing import Any
 from fleet.demo.load import Result
 from fleet.demo.plan import Timeline
 from fleet.demo.view import Sample, p95
-from fleet.stats import quantile
+from fleet_core.stats import quantile
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import yaml
 from rich.console import Console
 from rich.live import Live
 
-from agents.engine import cost_model
+from fleet.data import DEMO_INVENTORY
 from fleet.demo import plan
 from fleet.demo.load import Replay
 from fleet.demo.report import Summary, chart, summarize
@@ -45,8 +45,8 @@ from fleet.demo.world import (
     wait_until,
 )
 from fleet.traces import load_trace
+from fleet_core import cost_model
 
-DEMO_INVENTORY = Path(__file__).resolve().parents[2] / "inventory" / "demo.yaml"
 FAULT_XID = 79  # "GPU has fallen off the bus": fatal, the agent drains itself
 # After the traffic, at most: in-flight requests finish and the scale-down ends. The latency
 # signals look back a minute (the engines' and the router's p95 windows), so the scale-down

@@ -17,7 +17,7 @@ from rich.text import Text
 from fleet.demo.load import Replay, Result
 from fleet.demo.plan import DEPLOYMENT
 from fleet.demo.world import World
-from fleet.stats import quantile
+from fleet_core.stats import quantile
 
 STATE_ORDER = (
     "warm",

@@ -14,12 +14,18 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ValidationError
 from sqlmodel import Session, select
 
-from fleet import lifecycle
 from fleet.crypto import SecretBox
 from fleet.errors import ForbiddenError, RulesBroken
 from fleet.events import record_update
-from fleet.gpu_specs import BUILTIN
+from fleet.inventory.gpu_models import BUILTIN
 from fleet.inventory.schema import DeploymentIn, InventoryFile, ServerIn, bounded
+from fleet.inventory.servers import (
+    NO_PASSWORD,
+    BmcEndpoint,
+    has_bmc_password,
+    record_endpoint_change,
+)
+from fleet.lifecycle import transitions as lifecycle
 from fleet.models import (
     Deployment,
     DeploymentCreate,
@@ -33,9 +39,8 @@ from fleet.models import (
     Site,
     utcnow,
 )
-from fleet.power import Feed, ServerDraw, rack_power, side_watts
-from fleet.racks import to_feed
-from fleet.servers import NO_PASSWORD, BmcEndpoint, has_bmc_password, record_endpoint_change
+from fleet.power.budget import Feed, ServerDraw, rack_power, side_watts
+from fleet.power.racks import to_feed
 from fleet.validation import messages_under
 
 Kind = Literal["gpu_model", "site", "rack", "feed", "server", "deployment"]

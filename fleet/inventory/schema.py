@@ -161,7 +161,7 @@ class SlaIn(_Strict):
 class DeploymentIn(_Strict):
     name: Name
     model: ModelRefIn
-    # Checked as the agent checks them (agents/engine/command.py) and bounded in size.
+    # Checked as the agent checks them (fleet_agent/engine/command.py) and bounded in size.
     engine: EngineParams = Field(default_factory=dict)
     gpus_per_replica: Int = Field(default=1, ge=1, le=64)
     gpu_models: GpuModelNames = Field(default_factory=list)

@@ -4,7 +4,7 @@ What is fake here is only the hardware. Each server of an inventory gets a real 
 (one sushy-emulator holding every Redfish server, one ipmi_sim per IPMI server, all on
 127.0.0.1); Fleet drives them with its production drivers. The lab watches the emulators' power
 buttons and plays the server behind them: when a server powers on, its node AGENT (the real
-`python -m agents`, with the simulated GPU telemetry backend) starts after a boot delay in its
+`python -m fleet_agent`, with the simulated GPU telemetry backend) starts after a boot delay in its
 own process group and working directory; when it powers off, that process group is stopped.
 
     colo = VirtualColo(parse_inventory(text), "lab", fleet_url=url, token_for=make_agent_token)
@@ -755,7 +755,7 @@ class VirtualColo:
             out.write(f"--- lab: power-on boot done {_now()}, agent on port {port}\n".encode())
             out.flush()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "agents"],
+                [sys.executable, "-m", "fleet_agent"],
                 cwd=node.workdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -787,7 +787,7 @@ class VirtualColo:
             FLEET_AGENT_SIM_FAULT_FILE=str(node.workdir / "faults.json"),
             FLEET_AGENT_SIM_SEED=str(node.seed),
             # Engines: the STAND-IN (no GPUs here), one port per possible replica.
-            FLEET_AGENT_ENGINE_COMMAND=f"{sys.executable} -m agents.engine.standin",
+            FLEET_AGENT_ENGINE_COMMAND=f"{sys.executable} -m fleet_agent.engine.standin",
             FLEET_AGENT_ENGINE_BASE_PORT=str(free_port_block(max(node.spec.gpu.count, 1))),
             FLEET_AGENT_WORK_DIR=str(node.workdir / "agent"),
             FLEET_STANDIN_GPU=node.spec.gpu.model,
@@ -1035,7 +1035,7 @@ class VirtualColo:
             raise LabError(f"{server}: the lab is not up")
 
     def inject(self, server: str, fault: Mapping[str, Any]) -> dict[str, Any]:
-        """POST `fault` (agents.telemetry.simulated.Fault.from_dict's shape, e.g. {"kind":
+        """POST `fault` (fleet_agent.telemetry.simulated.Fault.from_dict's shape, e.g. {"kind":
         "xid", "xid": 79, "gpu": 3}) to the server's agent; LabError when it cannot."""
         node = self._node(server)
         with self._state_lock:

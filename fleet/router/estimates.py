@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agents.engine import cost_model
 from fleet.router.strategy import PREFILL_WEIGHT
+from fleet_core import cost_model
 
 NOMINAL_PROMPT = 1000  # tokens: the prior's request shape (a chat turn with context)
 NOMINAL_OUTPUT = 200

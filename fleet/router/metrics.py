@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 from fleet.router.admission import PRIORITIES
 from fleet.router.pool import DeploymentPool
 from fleet.router.strategy import Replica
-from fleet.stats import quantile
+from fleet_core.stats import quantile
 
 # Seconds: from a fast cached answer to a long generation.
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)

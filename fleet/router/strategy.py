@@ -21,7 +21,7 @@ A replica at its concurrency limit, not ready, or ejected after failures is neve
 every replica is, `choose` returns None and the request waits in the router's queue.
 
 One work unit is one output token; a prompt token costs `prefill_weight` of one. The default
-(0.15) comes from the engine cost model (agents/engine/cost_model.py): at a serving batch of
+(0.15) comes from the engine cost model (fleet_core/cost_model.py): at a serving batch of
 ~32 a decode step spends the weight-streaming time on 32 tokens, while a prompt token in the
 same iteration adds only its arithmetic, about a seventh of a decode token's share.
 """

@@ -8,7 +8,8 @@
 - `replay_trace`: a trace's own arrival pattern (bursts included), compressed or stretched by
   `speed`, or to a target mean rate.
 
-The Azure LLM inference traces (traces/, Azure LLM inference 2023, CC BY 4.0, Patel et al.,
+The Azure LLM inference traces (fleet/data/traces/, Azure LLM inference 2023, CC BY 4.0, Patel et
+al.,
 "Splitwise", ISCA 2024) are read by fleet.traces.
 """
 

@@ -33,7 +33,7 @@ from fleet.autoscaler.policy import RouterLoad as RouterLoad
 from fleet.settings import Settings
 from fleet.sim.calendar import Entry
 
-STATS_WINDOW_S = 60.0  # agents/engine/supervisor.py stats_window_s: the p95s' window
+STATS_WINDOW_S = 60.0  # fleet_agent/engine/supervisor.py stats_window_s: the p95s' window
 _DEFAULTS = Settings.model_fields
 Z90 = 1.2815515655446004  # the standard normal's 90th percentile
 
@@ -107,7 +107,7 @@ class AutoscaleSpec:
 
     @property
     def keep_s(self) -> float:
-        """The history kept (fleet/control.py: the longer window + 10 min)."""
+        """The history kept (fleet/control/service_loops.py: the longer window + 10 min)."""
         return max(self.up_window_s, self.down_window_s) + 600.0
 
 
@@ -133,7 +133,7 @@ class Exhaustion:
     at: float
     deployment: str
     short: int
-    reasons: tuple[str, ...] = ()  # placement's (fleet/placement.py), with racks
+    reasons: tuple[str, ...] = ()  # placement's (fleet/provisioning/placement.py), with racks
 
 
 def p95(window: deque[tuple[float, float, float]], now: float) -> tuple[float | None, ...]:

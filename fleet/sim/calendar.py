@@ -3,7 +3,7 @@
 A scenario has a wall-clock origin (`start`, default `DEFAULT_START`): simulated second t is
 `start + t`. An autoscaled deployment may have `calendar:` entries with the API's fields and
 checks: each is a `ScheduleEntryCreate` (`EntryModel`, the deployment it sits under filled
-in), and `entries` checks it with fleet/schedules.py's own `checked_spec` and `check_fits`,
+in), and `entries` checks it with fleet/calendar/entries.py's own `checked_spec` and `check_fits`,
 so an error reads as the API's 400 would.
 
 `Calendar.tick` is the leader's `calendar_once` (fleet/calendar/service.py) for one
@@ -82,9 +82,9 @@ class Entry:
 def entries(deployment: str, models: Iterable[EntryModel], max_replicas: int) -> tuple[Entry, ...]:
     """Each entry checked as the API's create checks it; ValueError says which entry and what
     is wrong, in the API's words."""
-    # Here, not at the top: fleet.schedules brings the calendar service and the database layer,
-    # which a simulation without a calendar does not need at start-up.
-    from fleet.schedules import check_fits, checked_spec
+    # Here, not at the top: fleet.calendar.entries brings the calendar service and the database
+    # layer, which a simulation without a calendar does not need at start-up.
+    from fleet.calendar.entries import check_fits, checked_spec
 
     out: list[Entry] = []
     for i, model in enumerate(models):

@@ -27,10 +27,11 @@ production policy for a target and makes it true: warm spares boot and join the 
 ready; a scale-down calls off boots first, then drains a replica (not ready in the pool: no new
 requests) that leaves, back to the warm pool, when its last request finishes. The calendar
 (fleet/sim/calendar.py) raises floors on its own ticks; with racks (fleet/sim/racks.py) the
-spares to boot and the replicas to release are fleet/placement.py's choice.
+spares to boot and the replicas to release are fleet/provisioning/placement.py's choice.
 
 Faults (fleet/sim/faults.py): Xid timers per serving engine; the agent's fault policy judges
-them; an engine restart, or a self-drain and then `fleet.escalation.escalate`'s power cycle or
+them; an engine restart, or a self-drain and then `fleet.provisioning.escalation.escalate`'s power
+cycle or
 quarantine.
 """
 
@@ -44,13 +45,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from agents.engine import cost_model
-from agents.engine.cost_model import EngineShape
-from agents.fault_policy import RepairAction, Verdict
-from agents.telemetry.base import Snapshot
-from fleet import placement
 from fleet.autoscaler.policy import Signals, decide
-from fleet.escalation import escalate
+from fleet.provisioning import placement
+from fleet.provisioning.escalation import escalate
 from fleet.router.admission import AdmissionQueue
 from fleet.router.config import RouterSettings
 from fleet.router.estimates import Throughput, prior_capacity
@@ -70,6 +67,10 @@ from fleet.sim.calendar import DEFAULT_START, TICK_S, Calendar, Fired
 from fleet.sim.engine import Batching, Engine, SimRequest, outputs_left
 from fleet.sim.faults import FaultCounts, FaultSpec
 from fleet.sim.racks import RackSpec
+from fleet_core import cost_model
+from fleet_core.cost_model import EngineShape
+from fleet_core.fault_policy import RepairAction, Verdict
+from fleet_core.telemetry import Snapshot
 
 READS_OUTPUT_LEFT = frozenset({"estimated_completion_time", "model_affinity"})
 _NOTHING: frozenset[str] = frozenset()  # no replica excluded
@@ -538,8 +539,8 @@ class Simulation:
             self._to_warm(dep, url, gpu)
             excess -= 1
         if excess > 0:
-            # fleet/placement.py's scale-in rule: the tightest rack first, then the fewest in
-            # flight (engines outside the modelled racks count as the tightest)
+            # fleet/provisioning/placement.py's scale-in rule: the tightest rack first, then the
+            # fewest in flight (engines outside the modelled racks count as the tightest)
             serving = []
             for url, engine in dep.engines.items():
                 if url in dep.draining or url in dep.faulted:
@@ -571,7 +572,8 @@ class Simulation:
     def _place(
         self, dep: _Dep, servers: int
     ) -> tuple[list[tuple[str, str | None]], int, tuple[str, ...]]:
-        """Spares for `servers` more replicas, chosen by fleet/placement.py: ((GPU, server)
+        """Spares for `servers` more replicas, chosen by fleet/provisioning/placement.py: ((GPU,
+        server)
         in boot order, how many could not be placed, why)."""
         models = {x.gpu_model for x in self._free.values()}
         running: dict[str, int] = {}

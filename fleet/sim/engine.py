@@ -1,8 +1,8 @@
 """One simulated engine on a virtual clock: continuous or static batching, cost-model timed.
 
-The stand-in's cost model (agents/engine/cost_model.py) is the one implementation of an
+The stand-in's cost model (fleet_core/cost_model.py) is the one implementation of an
 iteration's duration; this module only decides what each iteration carries, following the
-stand-in's core (agents/engine/core.py) and trtllm-serve's defaults:
+stand-in's core (fleet_agent/engine/core.py) and trtllm-serve's defaults:
 
 - GUARANTEED_NO_EVICT admission, first come first served: a waiting request is admitted only
   while fewer than max_batch_size requests run and KV blocks for prompt + max_tokens are free
@@ -39,8 +39,8 @@ from heapq import heappop, heappush
 from math import sqrt
 from typing import Literal, Protocol
 
-from agents.engine import cost_model
-from agents.engine.cost_model import EngineShape
+from fleet_core import cost_model
+from fleet_core.cost_model import EngineShape
 
 Batching = Literal["continuous", "static"]
 _DURATIONS: dict[EngineShape, dict[tuple[int, int, int], float]] = {}

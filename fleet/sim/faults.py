@@ -4,7 +4,7 @@ The judgement and the escalation are imported, not re-implemented:
 
 - each serving engine draws Xids as a Poisson process at `xids_per_gpu_hour` × its GPUs; the
   code comes from `mix` (weights). Every Xid becomes one telemetry `Snapshot` carrying it, and
-  `agents.fault_policy.assess` judges the engine's snapshots of the policy's window (10 min),
+  `fleet_core.fault_policy.assess` judges the engine's snapshots of the policy's window (10 min),
   so three Xid 94s on one GPU stay healthy and a fourth reboots, as on a real agent;
 - `degraded` + `restart_engine` (an application Xid: the CUDA context is gone, the engine
   process dies): the requests not yet streaming are retried on other replicas (the router
@@ -13,7 +13,8 @@ The judgement and the escalation are imported, not re-implemented:
 - `unhealthy` (reboot or hardware inspection): the agent's self-drain — not ready at once, the
   in-flight requests get `drain_deadline_s` to finish (the agent's default), then the engines
   stop (the rest are retried or fail as above). The provisioner then applies
-  `fleet.escalation.escalate` with `max_reboots` (fleet/settings.py's default): a power cycle
+  `fleet.provisioning.escalation.escalate` with `max_reboots` (fleet/settings.py's default): a
+  power cycle
   (back after a boot drawn from the deployment's boot distribution) or quarantine (gone for
   good; an autoscaled deployment replaces it from the warm pool at its next tick);
 - anything else (`degraded`/`none`, healthy) changes nothing but is counted.
@@ -29,10 +30,10 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from agents.config import AgentSettings
-from agents.fault_policy import Assessment, Thresholds, assess
-from agents.telemetry.base import GpuSample, Snapshot, XidEvent
 from fleet.settings import Settings
+from fleet_agent.config import AgentSettings
+from fleet_core.fault_policy import Assessment, Thresholds, assess
+from fleet_core.telemetry import GpuSample, Snapshot, XidEvent
 
 # An ASSUMED mix (not a measurement: set your own from your fleet's kernel logs). Application
 # Xids (13, 31, 43) are the most common in operators' reports; the rest are the reset classes.

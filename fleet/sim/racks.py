@@ -1,4 +1,5 @@
-"""Racks, power and warm spares in the simulator: the data fleet/placement.py chooses from.
+"""Racks, power and warm spares in the simulator: the data fleet/provisioning/placement.py chooses
+from.
 
 With `racks` in a scenario, the shared warm pool is made of servers that sit in racks with a
 power budget, and the production placement rules are imported, not re-implemented:
@@ -11,7 +12,7 @@ power budget, and the production placement rules are imported, not re-implemente
 
 A rack's headroom is its budget − `other_w` (whatever else the rack feeds) − what its servers
 commit: `max_w` for a server that is on (booting, serving, draining, rebooting), `standby_w`
-for one that is off (fleet/power.py's rule). A spare is one server for one replica, so its
+for one that is off (fleet/power/budget.py's rule). A spare is one server for one replica, so its
 GPUs are the deployment's `tp_size` (as everywhere in the simulator).
 
 Server power defaults (`SERVER_POWER`, per GPU, watts) come from docs/hardware.md's
@@ -25,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from fleet import placement
+from fleet.provisioning import placement
 
 # gpu model → (max W per GPU, standby W per server); unknown models: the H100 figures
 SERVER_POWER: dict[str, tuple[float, float]] = {

@@ -34,7 +34,8 @@
         # calendar:                 # scheduled floors (autoscale only; fleet/sim/calendar.py)
         #   - {cron: "0 10 * * *", timezone: UTC, duration_s: 1800, min_replicas: 4}
     warm_pool: {H100: 6}        # spares shared by autoscaled deployments without their own
-    # or, instead, spares in racks with power budgets (fleet/sim/racks.py, fleet/placement.py):
+    # or, instead, spares in racks with power budgets (fleet/sim/racks.py,
+    # fleet/provisioning/placement.py):
     # racks: [{name: r1, budget_w: 20000, spares: {H100: 4}, cached: [llama-3.1-8b]}]
     # faults: {xids_per_gpu_hour: 0.01}   # GPU Xids (fleet/sim/faults.py); per deployment too
     start: 2026-12-07T00:00:00Z # the wall-clock time of simulated second 0 (the default)
@@ -62,7 +63,6 @@ from pydantic import (
     model_validator,
 )
 
-from agents.engine import cost_model
 from fleet.router.strategy import STRATEGIES
 from fleet.sim import arrivals as arr
 from fleet.sim import calendar as sim_calendar
@@ -71,6 +71,7 @@ from fleet.sim.core import DeploymentSpec, RunResult, Simulation, Summary, summa
 from fleet.sim.engine import SimRequest
 from fleet.sim.faults import DEFAULT_MIX, FaultSpec
 from fleet.sim.racks import RackSpec
+from fleet_core import cost_model
 
 
 class _Strict(BaseModel):
@@ -389,7 +390,7 @@ class Scenario(_Strict):
     warm_pool: dict[str, int] = Field(default_factory=dict)
     faults: FaultsModel | None = None  # for every deployment without its own
     # The shared warm pool as servers in racks with power budgets (instead of warm_pool):
-    # spares are then chosen and released by fleet/placement.py
+    # spares are then chosen and released by fleet/provisioning/placement.py
     racks: list[RackModel] = Field(default_factory=list)
     # The wall-clock time of simulated second 0 (the calendar's windows are on this clock);
     # without an offset: UTC

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from fleet.agent_reports import Heartbeat, Registration, Reply, heartbeat, register
 from fleet.api.deps import AgentCaller, BoxDep, SessionDep, SettingsDep
+from fleet.registry.agent_reports import Heartbeat, Registration, Reply, heartbeat, register
 
 router = APIRouter(tags=["agent"], prefix="/agent")
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, status
 
-from fleet import deployments as service
 from fleet.api.deps import Operator, PagingDep, SessionDep, Viewer
+from fleet.inventory import deployments as service
 from fleet.models import DeploymentCreate, DeploymentPublic, DeploymentUpdate
 
 router = APIRouter(prefix="/deployments", tags=["deployments"])

@@ -16,11 +16,11 @@ from sqlmodel import Session
 
 from fleet.api.deps import BoxDep, Operator, SessionDep, SettingsDep
 from fleet.crypto import SecretBox
+from fleet.inventory.servers import ServerFilter, list_servers
+from fleet.lifecycle.states import ServerState
 from fleet.models import Pool, exactly_one_of
-from fleet.power_control import Action, PowerReport, load_servers, power, verify
-from fleet.servers import ServerFilter, list_servers
+from fleet.power.actions import Action, PowerReport, load_servers, power, verify
 from fleet.settings import Settings
-from fleet.states import ServerState
 
 router = APIRouter(tags=["power"])
 MAX_BULK = 10_000

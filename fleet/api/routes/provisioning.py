@@ -8,9 +8,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import Engine
 
-from fleet import provisioning
 from fleet.api.deps import Operator, SessionDep, Viewer
 from fleet.models import Int
+from fleet.provisioning import workflows as provisioning
 
 router = APIRouter(tags=["provisioning"])
 

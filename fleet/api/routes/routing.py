@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 from fleet.api.deps import SessionDep, Viewer, get_settings, require
 from fleet.auth import Principal
 from fleet.models import Role
-from fleet.routing_table import LoadReport, ReportOutcome, record_report, routing_table
+from fleet.registry.routing_table import LoadReport, ReportOutcome, record_report, routing_table
 from fleet.settings import Settings
 
 router = APIRouter(tags=["routing"])

@@ -7,8 +7,8 @@ from typing import Annotated, Any, NoReturn
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
 
-from fleet import schedules as service
 from fleet.api.deps import Operator, SessionDep, SettingsDep, Viewer
+from fleet.calendar import entries as service
 from fleet.models import INT32_MAX, IsoDateTime, ScheduleEntryCreate, as_utc
 
 router = APIRouter(prefix="/schedules", tags=["calendar"])

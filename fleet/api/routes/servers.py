@@ -6,9 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from fleet import lifecycle
 from fleet.api.deps import BoxDep, Operator, PagingDep, SessionDep, Viewer
 from fleet.errors import NotAnOperatorMove
+from fleet.inventory.servers import ServerFilter, get_server, list_gpus, list_servers, update_server
+from fleet.lifecycle import transitions as lifecycle
+from fleet.lifecycle.states import OPERATOR_TARGETS, ServerState
 from fleet.models import (
     EventPublic,
     Pool,
@@ -17,8 +19,6 @@ from fleet.models import (
     ServerUpdate,
     TransitionRequest,
 )
-from fleet.servers import ServerFilter, get_server, list_gpus, list_servers, update_server
-from fleet.states import OPERATOR_TARGETS, ServerState
 
 router = APIRouter(tags=["servers"])
 

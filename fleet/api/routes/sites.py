@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from fleet import sites as service
 from fleet.api.deps import PagingDep, SessionDep, Viewer
+from fleet.inventory import sites as service
 from fleet.models import RackPublic, SitePublic
 
 router = APIRouter(tags=["inventory"])

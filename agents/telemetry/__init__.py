@@ -1,1 +1,0 @@
-"""GPU telemetry backends behind one snapshot shape (agents/telemetry/base.py)."""

@@ -1,0 +1,1 @@
+"""Leadership and the singleton control loops the service runs."""

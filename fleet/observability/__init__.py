@@ -1,0 +1,1 @@
+"""Fleet-wide metrics read from the database, and Prometheus' scrape configuration."""

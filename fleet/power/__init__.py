@@ -1,0 +1,1 @@
+"""Rack power: budgets (pure), rack views, power actions on servers, the reconciler."""

@@ -1,0 +1,354 @@
+"""Power actions on servers through their BMCs: one server at a time, many servers at once.
+
+Each action reads the BMC, acts only if needed, reads back, stores what it saw in the server's
+observed fields (never its lifecycle state: that is the state machine's) and records an Event
+with the outcome. One power action per server at a time, across service processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import lru_cache
+from typing import Literal
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from fleet.bmc import BmcError, PowerDriver, driver_for
+from fleet.bmc.base import ActionResult, BmcTarget
+from fleet.bmc.bulk import Job, Outcome, Stagger, run_bulk
+from fleet.bmc.targets import target_for
+from fleet.crypto import SecretBox
+from fleet.errors import ConflictError, NotFoundError
+from fleet.lifecycle import transitions as lifecycle
+from fleet.lifecycle.states import ServerState
+from fleet.models import Event, Pool, PowerState, Rack, Server, utcnow
+from fleet.settings import Settings
+
+Action = Literal["on", "off", "force_off", "cycle", "status"]
+ACTIONS: tuple[Action, ...] = ("on", "off", "force_off", "cycle", "status")
+
+
+@dataclass(frozen=True, slots=True)
+class PowerReport:
+    """One server's outcome, as the API and CLI show it."""
+
+    server: str
+    action: Action
+    ok: bool
+    sent: bool
+    state_before: PowerState | None
+    state_after: PowerState | None
+    error: str | None  # one line naming the server, its BMC and the cause
+    started: float  # seconds after the bulk action began (shows the per-rack stagger)
+    seconds: float
+
+
+class ServerBusy(ConflictError):
+    """Another power action holds this server."""
+
+
+# ---------------------------------------------------------------------------------------------
+# One action per server at a time
+
+
+_local_locks: dict[str, threading.Lock] = {}
+_local_guard = threading.Lock()
+
+
+@lru_cache(maxsize=4)
+def _lock_engine(url: str, size: int) -> Engine:
+    """Connections that only hold power locks, one per concurrent BMC call: a bulk action must
+    not take the service's own pool (API requests would queue behind slow BMCs), and AUTOCOMMIT
+    keeps them out of "idle in transaction" while a BMC takes its time."""
+    return sa.create_engine(
+        url,
+        pool_size=size,
+        max_overflow=0,
+        pool_pre_ping=True,
+        hide_parameters=True,
+        isolation_level="AUTOCOMMIT",
+    )
+
+
+@contextmanager
+def server_power_lock(engine: Engine, server: Server, pool_size: int = 32) -> Iterator[None]:
+    """Postgres: a session advisory lock, held for the action on a connection of its own
+    (other service processes see it). SQLite (one process): a lock per server name."""
+    if engine.dialect.name == "postgresql":
+        key = zlib.crc32(f"fleet.power:{server.name}".encode())
+        locks = _lock_engine(engine.url.render_as_string(hide_password=False), pool_size)
+        with locks.connect() as conn:
+            if not conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
+                raise ServerBusy(f"server {server.name}: another power action is in progress")
+            try:
+                yield
+            finally:
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+        return
+    with _local_guard:
+        lock = _local_locks.setdefault(server.name, threading.Lock())
+    if not lock.acquire(blocking=False):
+        raise ServerBusy(f"server {server.name}: another power action is in progress")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _act(driver: PowerDriver, action: Action) -> ActionResult | PowerState:
+    if action == "status":
+        return driver.power_state()
+    if action == "on":
+        return driver.power_on()
+    if action == "off":
+        return driver.power_off(force=False)
+    if action == "force_off":
+        return driver.power_off(force=True)
+    return driver.power_cycle()
+
+
+def _record(
+    engine: Engine,
+    server: Server,
+    action: Action,
+    result: ActionResult | PowerState | None,
+    error: Exception | None,
+    actor: str,
+    settle_s: float,
+) -> None:
+    """Observed fields and one Event, in one transaction. A command that went out starts a
+    settle window in which the reconciler leaves the server alone (the BMC may apply it late)."""
+    now = utcnow()
+    with Session(engine) as session:
+        row = session.get(Server, server.id)
+        if row is None:  # deleted meanwhile: nothing to record against
+            return
+        if error is None:
+            after = result.state_after if isinstance(result, ActionResult) else result
+            assert after is not None
+            row.power_state, row.power_state_at, row.bmc_reachable = after, now, True
+            row.bmc_failures, row.bmc_checked_at = 0, now
+            if isinstance(result, ActionResult) and result.sent:
+                row.power_settle_until = now + timedelta(seconds=settle_s)
+            details: dict[str, object] = {"action": action, "power_state": after.value}
+            if isinstance(result, ActionResult):
+                details.update(sent=result.sent, before=result.state_before.value)
+            kind, message = "server.power", _describe(action, result)
+        else:
+            if isinstance(error, BmcError):
+                row.bmc_reachable = type(error).__name__ != "BmcUnreachable"
+            details = {"action": action, "error": type(error).__name__}
+            kind, message = "server.power_failed", str(error)
+        session.add(row)
+        session.add(
+            Event(
+                at=now,
+                subject_type="server",
+                subject=server.name,
+                actor=actor,
+                kind=kind,
+                message=message,
+                details=details,
+            )
+        )
+        session.commit()
+
+
+def _describe(action: Action, result: ActionResult | PowerState | None) -> str:
+    if isinstance(result, ActionResult):
+        if not result.sent:
+            return f"power {action}: already {result.state_before.value}, nothing sent"
+        return (
+            f"power {action}: sent; was {result.state_before.value}, "
+            f"BMC now reports {result.state_after.value}"
+        )
+    return f"power status: {result.value if result else 'unknown'}"
+
+
+def load_servers(engine: Engine, names: Sequence[str]) -> dict[str, tuple[Server, str]]:
+    """The named servers with their rack names; every name must exist."""
+    with Session(engine) as session:
+        rows = list(
+            session.exec(
+                select(Server, Rack.name)
+                .select_from(Server)
+                .join(Rack, col(Rack.id) == Server.rack_id)
+                .where(col(Server.name).in_(list(names)))
+            )
+        )
+    found = {s.name: (s, rack) for s, rack in rows}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise NotFoundError(f"no server named {', '.join(repr(n) for n in missing)}")
+    return found
+
+
+def power(
+    engine: Engine,
+    box: SecretBox,
+    settings: Settings,
+    names: Sequence[str],
+    action: Action,
+    actor: str,
+    *,
+    stagger: Stagger | None = None,
+    drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
+    on_done: Callable[[PowerReport], None] | None = None,
+) -> list[PowerReport]:
+    """Run `action` on every named server; one report per server, in the order given."""
+    if action not in ACTIONS:
+        raise ValueError(f"unknown power action {action!r} (one of {', '.join(ACTIONS)})")
+    names = list(dict.fromkeys(names))  # a server named twice is acted on once
+    found = load_servers(engine, names)
+    if stagger is None:
+        # Only power-ons draw inrush current; reads and power-offs need no spacing.
+        spaced = action in ("on", "cycle")
+        stagger = Stagger(
+            workers=settings.bmc_workers,
+            per_rack=settings.power_on_per_rack if spaced else None,
+            rack_delay=settings.power_on_rack_delay_s if spaced else 0.0,
+        )
+
+    def job(server: Server) -> Callable[[], ActionResult | PowerState]:
+        def call() -> ActionResult | PowerState:
+            with (
+                server_power_lock(engine, server, settings.bmc_workers),
+                drivers(target_for(server, box, settings)) as driver,
+            ):
+                return _act(driver, action)
+
+        return call
+
+    def report(outcome: Outcome[ActionResult | PowerState]) -> PowerReport:
+        server = found[outcome.server][0]
+        if not isinstance(outcome.error, ServerBusy):
+            _record(
+                engine, server, action, outcome.value, outcome.error, actor, settings.power_settle_s
+            )
+        value = outcome.value
+        before = value.state_before if isinstance(value, ActionResult) else value
+        after = value.state_after if isinstance(value, ActionResult) else value
+        done = PowerReport(
+            server=outcome.server,
+            action=action,
+            ok=outcome.ok,
+            sent=isinstance(value, ActionResult) and value.sent,
+            state_before=before,
+            state_after=after,
+            error=None if outcome.error is None else str(outcome.error),
+            started=round(outcome.started, 3),
+            seconds=round(outcome.finished - outcome.started, 3),
+        )
+        if on_done is not None:
+            on_done(done)
+        return done
+
+    jobs = [Job(n, found[n][1], job(found[n][0])) for n in names]
+    reports: dict[str, PowerReport] = {}
+
+    def collect(outcome: Outcome[ActionResult | PowerState]) -> None:
+        reports[outcome.server] = report(outcome)
+
+    run_bulk(jobs, stagger, on_done=collect)
+    return [reports[n] for n in names]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verify: the first contact with a newly enrolled server's BMC
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    server: str
+    ok: bool
+    power_state: PowerState | None
+    moved_to: ServerState | None  # the lifecycle state it reached, if it moved
+    message: str  # what happened, or (not ok) one line naming the server, its BMC and the cause
+
+
+def _verify_one(
+    engine: Engine,
+    box: SecretBox,
+    settings: Settings,
+    server: Server,
+    actor: str,
+    drivers: Callable[[BmcTarget], PowerDriver],
+) -> VerifyReport:
+    """Enrolled → warm (pool warm, found off) or → booting (pool baseline, powered on).
+
+    A warm-pool server found on stays enrolled: a spare must be off, and powering off a
+    machine Fleet does not yet know is an operator's call, not ours.
+    """
+    if server.state != ServerState.ENROLLED:
+        return VerifyReport(server.name, True, None, None, f"already {server.state}: nothing to do")
+    with (
+        server_power_lock(engine, server, settings.bmc_workers),
+        drivers(target_for(server, box, settings)) as driver,
+    ):
+        if server.pool == Pool.BASELINE:
+            result: ActionResult | PowerState = driver.power_on()
+        else:
+            result = driver.power_state()
+    action: Action = "on" if isinstance(result, ActionResult) else "status"
+    _record(engine, server, action, result, None, actor, settings.power_settle_s)
+    state = result.state_after if isinstance(result, ActionResult) else result
+    if server.pool == Pool.BASELINE:
+        target, why = ServerState.BOOTING, "BMC verified; baseline server powered on"
+    elif state == PowerState.OFF:
+        target, why = ServerState.WARM, "BMC verified; the spare is off"
+    else:
+        return VerifyReport(
+            server.name,
+            False,
+            state,
+            None,
+            f"server {server.name}: the BMC reports it {state.value}; a warm spare must be off "
+            f"(power it off with `fleetctl servers power off {server.name}`, then verify again)",
+        )
+    with Session(engine) as session:
+        lifecycle.transition(session, server.name, target, actor, why)
+    return VerifyReport(server.name, True, state, target, why)
+
+
+def verify(
+    engine: Engine,
+    box: SecretBox,
+    settings: Settings,
+    names: Sequence[str],
+    actor: str,
+    *,
+    drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
+) -> list[VerifyReport]:
+    """Verify every named server's BMC and move the enrolled ones on; one report each."""
+    names = list(dict.fromkeys(names))
+    found = load_servers(engine, names)
+    stagger = Stagger(  # baseline servers are powered on: stagger like any power-on
+        workers=settings.bmc_workers,
+        per_rack=settings.power_on_per_rack,
+        rack_delay=settings.power_on_rack_delay_s,
+    )
+
+    def job(server: Server) -> Callable[[], VerifyReport]:
+        return lambda: _verify_one(engine, box, settings, server, actor, drivers)
+
+    outcomes = run_bulk([Job(n, found[n][1], job(found[n][0])) for n in names], stagger)
+    reports = []
+    for outcome in outcomes:
+        if outcome.value is not None:
+            reports.append(outcome.value)
+            continue
+        server = found[outcome.server][0]
+        if not isinstance(outcome.error, ServerBusy):
+            _record(engine, server, "status", None, outcome.error, actor, settings.power_settle_s)
+        reports.append(VerifyReport(outcome.server, False, None, None, str(outcome.error)))
+    return reports

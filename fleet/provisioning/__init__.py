@@ -1,0 +1,1 @@
+"""Warm-spare provisioning: placement, boots, the per-state tick, remediation, the autopilot."""

@@ -1,0 +1,908 @@
+"""Warm-spare provisioning and self-healing: boot, load, serve, drain, remediate.
+
+Every workflow is a step the leader's tick (`provision_once`) takes from what the database says
+now, so a crashed process loses nothing: nothing lives only in a coroutine. Each step is one
+transaction through `fleet.lifecycle.transitions.transition` (compare-and-set, an Event each).
+
+- **scale out**: `boot_spares` picks warm spares (fleet/provisioning/placement.py) and moves them to
+  `booting` under one placement lock, so the rack-headroom check and the commitment are atomic
+  across processes. The tick powers them on (write-ahead: `power_on_sent_at` is committed
+  before the BMC call, so a crash between the call and the write never sends a second
+  power-on before `power_retry_after_s`, by which time the BMC reports on), waits for the
+  agent to register (→ `loading`: the heartbeat answer carries the assignment) and for every
+  replica to be ready (→ `serving`). Deadlines: boot, load → `failed` with the reason.
+- **capacity**: each deployment has `target_servers`; servers booting, loading or serving for it
+  count. Short → spares boot (a failed or quarantined server is replaced this way); over →
+  the least valuable servers drain and return to the warm pool (scale in).
+- **return**: `serving → draining` (the agent drains) → `drained → powering_off` (BMC off) →
+  `warm` once the BMC reports off.
+- **remediation**: a repair action `reboot` → drain → power cycle → `booting` again; the same
+  fault after `max_reboots_same_fault` reboots, or `hardware_inspection`, → `quarantined`.
+  A server silent for `heartbeat_cycle_after_s` is drained and power cycled too.
+- **bounds**: a deployment's disruption budget caps its servers draining or rebooting at once;
+  if more than `breaker_share` of the servers turn unhealthy within `breaker_window_s`, the
+  breaker opens and no automatic drain or cycle happens until an operator resumes; the
+  autopilot can be paused altogether; after a leader change, silence counts only after
+  `leader_grace_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from fleet.bmc import BmcError, PowerDriver, driver_for
+from fleet.bmc.base import BmcTarget
+from fleet.bmc.targets import target_for
+from fleet.crypto import SecretBox
+from fleet.errors import ConflictError, FleetError, NotFoundError
+from fleet.inventory.servers import NO_PASSWORD
+from fleet.lifecycle import transitions as lifecycle
+from fleet.lifecycle.states import ServerState
+from fleet.models import Autopilot, Deployment, Event, Pool, PowerState, Rack, Server, Site, utcnow
+from fleet.power.actions import ServerBusy, server_power_lock
+from fleet.power.racks import rack_views
+from fleet.provisioning import placement, quality_probe
+from fleet.provisioning.escalation import escalate
+from fleet.settings import Settings
+
+log = logging.getLogger(__name__)
+
+S = ServerState
+ACTOR = "provisioner"
+# Servers that hold (or are about to hold) a deployment's replicas.
+ACTIVE = frozenset({S.BOOTING, S.LOADING, S.SERVING})
+# Servers counted against a deployment's disruption budget.
+DISRUPTED = frozenset({S.DRAINING, S.DRAINED})
+REMEDIATION_ACTIONS = frozenset({"reboot", "hardware_inspection"})
+
+
+# ---------------------------------------------------------------------------------------------
+# The placement lock: the headroom check and the boot commitment, atomic across processes
+
+
+_local_placement = threading.Lock()
+_PLACEMENT_KEY = zlib.crc32(b"fleet.placement")
+
+
+@contextmanager
+def placement_lock(session: Session) -> Iterator[None]:
+    """Held for one placement transaction. Postgres: a transaction-level advisory lock (every
+    service process); SQLite: one process, a thread lock."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.connection().execute(
+            sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PLACEMENT_KEY}
+        )
+        yield
+        return
+    with _local_placement:
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Booting spares
+
+
+@dataclass(frozen=True, slots=True)
+class BootResult:
+    deployment: str
+    booted: tuple[str, ...]
+    short: int
+    reasons: tuple[str, ...]
+
+
+def _spares(session: Session, deployment: Deployment) -> list[placement.Spare]:
+    rows = session.exec(
+        select(Server, Rack.name, Site.name)
+        .join(Rack, col(Rack.id) == Server.rack_id)
+        .join(Site, col(Site.id) == Rack.site_id)
+        .where(Server.state == S.WARM, Server.pool == Pool.WARM)
+        # No BMC password (dropped when its BMC moved): it could not be powered on.
+        .where(Server.bmc_password_encrypted != NO_PASSWORD)
+    )
+    return [
+        placement.Spare(
+            name=s.name,
+            site=site,
+            rack=rack,
+            gpu_model=s.gpu_model,
+            gpu_count=s.gpu_count,
+            standby_w=s.standby_w,
+            max_w=s.max_w,
+            models_cached=tuple(s.models_cached),
+            boot_to_ready_s=s.boot_to_ready_s,
+        )
+        for s, rack, site in rows
+    ]
+
+
+def _rooms(session: Session) -> dict[str, placement.RackRoom]:
+    return {
+        v.rack.name: placement.RackRoom(
+            rack=v.rack.name, site=v.site, headroom_w=v.power.headroom_w
+        )
+        for v in rack_views(session)
+    }
+
+
+def _running_per_rack(session: Session, deployment: Deployment) -> dict[str, int]:
+    rows = session.exec(
+        select(Rack.name, sa.func.count())
+        .select_from(Server)
+        .join(Rack, col(Rack.id) == Server.rack_id)
+        .where(Server.deployment_id == deployment.id, col(Server.state).in_(list(ACTIVE)))
+        .group_by(Rack.name)
+    )
+    return {rack: int(n) for rack, n in rows}
+
+
+def boot_spares(
+    engine: Engine, deployment_name: str, count: int, actor: str, *, raise_target: bool
+) -> BootResult:
+    """Pick `count` warm spares for the deployment and move them to `booting`, one atomic
+    placement each. `raise_target`: an operator asked for more capacity (the target grows by
+    what booted); the tick's own replacements leave the target as it is."""
+    if count < 1:
+        raise FleetError("count must be at least 1")
+    booted: list[str] = []
+    reasons: tuple[str, ...] = ()
+    for _ in range(count):
+        with Session(engine) as session, placement_lock(session):
+            deployment = _deployment(session, deployment_name)
+            want = placement.Want(
+                deployment=deployment.name,
+                model_uri=deployment.model_uri,
+                gpu_models=tuple(deployment.gpu_models),
+                gpus_per_replica=deployment.gpus_per_replica,
+                servers=1,
+                running_per_rack=_running_per_rack(session, deployment),
+            )
+            choice = placement.choose_spares(_spares(session, deployment), _rooms(session), want)
+            if not choice.chosen:
+                reasons = choice.reasons
+                session.rollback()
+                break
+            name = choice.chosen[0]
+            server = session.exec(select(Server).where(Server.name == name)).one()
+            _start_boot(
+                session,
+                server,
+                deployment,
+                "power_on",
+                actor,
+                f"scale out {deployment.name}: spare chosen by placement",
+            )
+            if raise_target:
+                deployment.target_servers += 1
+                session.add(deployment)
+            session.commit()
+            booted.append(name)
+    return BootResult(deployment_name, tuple(booted), count - len(booted), reasons)
+
+
+def _deployment(session: Session, name: str) -> Deployment:
+    deployment = session.exec(select(Deployment).where(Deployment.name == name)).first()
+    if deployment is None:
+        raise NotFoundError(f"no deployment named {name!r}")
+    return deployment
+
+
+def _start_boot(
+    session: Session,
+    server: Server,
+    deployment: Deployment | None,
+    kind: str,
+    actor: str,
+    reason: str,
+) -> None:
+    lifecycle.transition(session, server, S.BOOTING, actor, reason, commit=False)
+    now = utcnow()
+    server.boot_kind = kind
+    server.boot_started_at = now
+    server.power_on_sent_at = None
+    server.power_off_sent_at = None
+    server.failed_reason = None
+    server.drain_reason = None
+    if deployment is not None:
+        server.deployment_id = deployment.id
+    session.add(server)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tick
+
+
+@dataclass
+class TickReport:
+    paused: bool = False
+    breaker_open: bool = False
+    moves: list[str] = field(default_factory=list)
+    power_actions: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def provision_once(
+    engine: Engine,
+    box: SecretBox,
+    settings: Settings,
+    *,
+    drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
+    leader_since: datetime | None = None,
+    ask_agent: quality_probe.AskAgent | None = None,  # None: over http(s), the settings' TLS
+) -> TickReport:
+    report = TickReport()
+    with Session(engine) as session:
+        autopilot = get_autopilot(session)
+        if autopilot.paused:
+            report.paused = True
+            return report
+        report.breaker_open = _check_breaker(session, settings, autopilot)
+    step = _Steps(engine, box, settings, drivers, report, leader_since)
+    step.ask_agent = ask_agent
+    step.run()
+    return report
+
+
+class _Steps:
+    def __init__(
+        self,
+        engine: Engine,
+        box: SecretBox,
+        settings: Settings,
+        drivers: Callable[[BmcTarget], PowerDriver],
+        report: TickReport,
+        leader_since: datetime | None,
+    ) -> None:
+        self.engine, self.box, self.settings, self.drivers = engine, box, settings, drivers
+        self.report = report
+        self.leader_since = leader_since
+        self.ask_agent: quality_probe.AskAgent | None = None
+        self.now = utcnow()
+
+    def run(self) -> None:
+        for name, state in self._servers():
+            try:
+                self._step(name, state)
+            except (ConflictError, ServerBusy):
+                continue  # someone else moved it this instant: next tick
+            except FleetError as exc:
+                self.report.errors.append(f"{name}: {exc}")
+        try:
+            self._hold_capacity()
+        except FleetError as exc:
+            self.report.errors.append(str(exc))
+        if not self.report.breaker_open:
+            for name in quality_probe.probe_due(self.engine, self.settings):
+                outcome = quality_probe.probe_server(
+                    self.engine, self.settings, name, self.ask_agent, box=self.box
+                )
+                if not outcome.ok:
+                    self.report.moves.append(f"{name} -> draining: {outcome.detail}")
+
+    def _servers(self) -> list[tuple[str, ServerState]]:
+        with Session(self.engine) as session:
+            rows = session.exec(
+                select(Server.name, Server.state).where(
+                    col(Server.state).in_(
+                        [S.BOOTING, S.LOADING, S.SERVING, S.DRAINING, S.DRAINED, S.POWERING_OFF]
+                    )
+                )
+            )
+            return [(n, ServerState(s)) for n, s in rows]
+
+    def _step(self, name: str, state: ServerState) -> None:
+        handler = {
+            S.BOOTING: self._booting,
+            S.LOADING: self._loading,
+            S.SERVING: self._serving,
+            S.DRAINING: self._draining,
+            S.DRAINED: self._drained,
+            S.POWERING_OFF: self._powering_off,
+        }[state]
+        handler(name)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _load(self, session: Session, name: str) -> Server:
+        return session.exec(select(Server).where(Server.name == name)).one()
+
+    def _move(self, session: Session, server: Server, to: ServerState, reason: str) -> None:
+        lifecycle.transition(session, server, to, ACTOR, reason, commit=False)
+        self.report.moves.append(f"{server.name} -> {to.value}: {reason}")
+
+    def _fail(self, session: Session, server: Server, reason: str) -> None:
+        self._move(session, server, S.FAILED, reason)
+        server.failed_reason = reason[:500]
+        session.add(server)
+
+    def _elapsed(self, since: datetime | None) -> float:
+        return (self.now - since).total_seconds() if since is not None else 0.0
+
+    def _power(self, name: str, action: str) -> str | None:
+        """One BMC power action on `name` (its power lock held); None or the error."""
+        with Session(self.engine) as session:
+            server = self._load(session, name)
+        try:
+            with (
+                server_power_lock(self.engine, server, self.settings.bmc_workers),
+                self.drivers(target_for(server, self.box, self.settings)) as driver,
+            ):
+                if action == "on":
+                    result = driver.power_on()
+                elif action == "off":
+                    result = driver.power_off(force=False)
+                elif action == "force_off":
+                    result = driver.power_off(force=True)
+                else:
+                    result = driver.power_cycle()
+        except ServerBusy:
+            raise
+        except BmcError as exc:
+            return str(exc)
+        self.report.power_actions.append(f"{name}: {action} (sent={result.sent})")
+        with Session(self.engine) as session:
+            row = self._load(session, name)
+            row.power_state, row.power_state_at = result.state_after, utcnow()
+            if result.sent:
+                row.power_settle_until = utcnow() + timedelta(seconds=self.settings.power_settle_s)
+            session.add(row)
+            session.add(
+                Event(
+                    at=utcnow(),
+                    subject_type="server",
+                    subject=name,
+                    actor=ACTOR,
+                    kind="server.power",
+                    message=f"power {action}: {'sent' if result.sent else 'nothing sent'}; "
+                    f"BMC reports {result.state_after.value}",
+                    details={"action": action, "sent": result.sent},
+                )
+            )
+            session.commit()
+        return None
+
+    # -- booting ---------------------------------------------------------------------------
+
+    def _booting(self, name: str) -> None:
+        s = self.settings
+        with Session(self.engine) as session:
+            server = self._load(session, name)
+            started = server.boot_started_at or server.state_changed_at
+            if server.power_on_sent_at is None and server.boot_kind != "resume":
+                # Write-ahead: committed before the BMC hears of it.
+                server.power_on_sent_at = self.now
+                session.add(server)
+                session.commit()
+                action = "cycle" if server.boot_kind == "cycle" else "on"
+                try:
+                    error = self._power(name, action)
+                except ServerBusy:
+                    # Another power action (a reconciler read) holds the server: nothing went
+                    # out, so the write-ahead mark goes and the next tick tries again.
+                    with Session(self.engine) as again:
+                        row = self._load(again, name)
+                        row.power_on_sent_at = None
+                        again.add(row)
+                        again.commit()
+                    return
+                if error is not None:
+                    with Session(self.engine) as again:
+                        row = self._load(again, name)
+                        self._fail(again, row, f"BMC power {action} failed: {error}")
+                        again.commit()
+                return
+            if self._agent_up_since(server, started):
+                if server.deployment_id is None:
+                    return  # an idle baseline server: capacity hands it a deployment
+                self._move(
+                    session,
+                    server,
+                    S.LOADING,
+                    "agent registered; assignment sent with its next heartbeat",
+                )
+                server.load_started_at = self.now
+                session.add(server)
+                session.commit()
+                return
+            if self._elapsed(started) > s.boot_deadline_s:
+                self._fail(
+                    session,
+                    server,
+                    f"boot deadline: no agent registration within {s.boot_deadline_s:g} s",
+                )
+                session.commit()
+                return
+            # Write-ahead power-on without an answer yet (a crash, or a BMC that dropped it):
+            # ask again only after the BMC has had time to apply the first one.
+            sent = server.power_on_sent_at
+            if (
+                sent is not None
+                and server.boot_kind == "power_on"
+                and server.power_state is not PowerState.ON
+                and self._elapsed(sent) > s.power_retry_after_s
+            ):
+                server.power_on_sent_at = self.now
+                session.add(server)
+                session.commit()
+                error = self._power(name, "on")  # reads first: sends nothing if it is on
+                if error is not None:
+                    self.report.errors.append(f"{name}: {error}")
+
+    def _agent_up_since(self, server: Server, started: datetime) -> bool:
+        if server.boot_kind == "resume":
+            return server.last_heartbeat_at is not None and server.last_heartbeat_at > started
+        registered = server.agent_registered_at
+        return registered is not None and registered > started
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _loading(self, name: str) -> None:
+        s = self.settings
+        with Session(self.engine) as session:
+            server = self._load(session, name)
+            started = server.load_started_at or server.state_changed_at
+            fresh = server.last_heartbeat_at is not None and server.last_heartbeat_at > started
+            replicas = server.replicas or []
+            if (
+                fresh
+                and server.agent_ready
+                and replicas
+                and all(r.get("state") == "ready" for r in replicas)
+            ):
+                self._move(session, server, S.SERVING, f"all {len(replicas)} replicas ready")
+                server.load_s = round(self._elapsed(started), 3)
+                if server.boot_started_at is not None:
+                    server.boot_to_ready_s = round(self._elapsed(server.boot_started_at), 3)
+                session.add(server)
+                session.commit()
+                return
+            if self._elapsed(started) > s.load_deadline_s:
+                self._fail(
+                    session,
+                    server,
+                    f"load deadline: replicas not ready within {s.load_deadline_s:g} s",
+                )
+                session.commit()
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def _serving(self, name: str) -> None:
+        if self.report.breaker_open:
+            return  # no automatic drains while the breaker is open
+        with Session(self.engine) as session:
+            server = self._load(session, name)
+            reason: str | None = None
+            if server.health_action in REMEDIATION_ACTIONS:
+                codes = ", ".join(r.get("code", "?") for r in server.health_reasons) or "?"
+                reason = f"remediation: agent asks for {server.health_action} ({codes})"
+                server.last_fault = codes[:200]
+            elif self._silent(server):
+                reason = (
+                    f"remediation: no heartbeat for {self._elapsed(server.last_heartbeat_at):.0f} s"
+                )
+                server.last_fault = "missed_heartbeats"
+            if reason is None or not self._budget_allows(session, server):
+                return
+            server.drain_reason = "remediation"
+            server.drain_started_at = self.now
+            self._move(session, server, S.DRAINING, reason)
+            session.add(server)
+            session.commit()
+
+    def _silent(self, server: Server) -> bool:
+        if server.last_heartbeat_at is None:
+            return False
+        silent = self._elapsed(server.last_heartbeat_at)
+        if self.leader_since is not None:
+            # After a leader change, silence counts only after a grace period.
+            silent = min(silent, self._elapsed(self.leader_since) - self.settings.leader_grace_s)
+        return silent > self.settings.heartbeat_cycle_after_s
+
+    def _budget_allows(self, session: Session, server: Server) -> bool:
+        if server.deployment_id is None:
+            return True
+        deployment = session.get(Deployment, server.deployment_id)
+        budget = deployment.disruption_budget if deployment else 1
+        disrupted = session.exec(
+            select(sa.func.count())
+            .select_from(Server)
+            .where(
+                Server.deployment_id == server.deployment_id,
+                col(Server.state).in_(list(DISRUPTED)),
+            )
+        ).one()
+        return int(disrupted) < budget
+
+    # -- draining and drained --------------------------------------------------------------
+
+    def _draining(self, name: str) -> None:
+        with Session(self.engine) as session:
+            server = self._load(session, name)
+            started = server.drain_started_at or server.state_changed_at
+            heard = server.last_heartbeat_at is not None and server.last_heartbeat_at > started
+            engines_idle = not any(
+                r.get("state") not in (None, "stopped") for r in (server.replicas or [])
+            )
+            drained = heard and server.agent_draining and engines_idle
+            overdue = self._elapsed(started) > self.settings.drain_deadline_s
+            if drained or overdue:
+                why = (
+                    "the agent drained"
+                    if drained
+                    else (f"drain deadline ({self.settings.drain_deadline_s:g} s) passed")
+                )
+                self._move(session, server, S.DRAINED, why)
+                session.commit()
+
+    def _drained(self, name: str) -> None:
+        with Session(self.engine) as session:
+            server = self._load(session, name)
+            if server.drain_reason == "scale_in":
+                self._move(session, server, S.POWERING_OFF, "returning to the warm pool")
+                server.power_off_sent_at = None
+                session.add(server)
+                session.commit()
+                return
+            if server.drain_reason == "resume":
+                deployment = (
+                    session.get(Deployment, server.deployment_id) if server.deployment_id else None
+                )
+                _start_boot(
+                    session, server, deployment, "resume", ACTOR, "undrained: loading again"
+                )
+                session.commit()
+                return
+            if server.drain_reason != "remediation" or self.report.breaker_open:
+                return  # an operator's drain waits for the operator
+            remedy = escalate(
+                server.health_action,
+                server.last_fault,
+                reboot_fault=server.reboot_fault,
+                reboot_count=server.reboot_count,
+                max_reboots=self.settings.max_reboots_same_fault,
+            )
+            if remedy.quarantine:
+                self._move(session, server, S.QUARANTINED, remedy.why)
+                server.deployment_id = None
+                session.add(server)
+                session.commit()
+                return
+            server.reboot_count = remedy.reboot_count
+            server.reboot_fault = remedy.reboot_fault
+            deployment = (
+                session.get(Deployment, server.deployment_id) if server.deployment_id else None
+            )
+            _start_boot(session, server, deployment, "cycle", ACTOR, remedy.why)
+            self.report.moves.append(f"{name} -> booting (power cycle)")
+            session.commit()
+
+    # -- powering off ----------------------------------------------------------------------
+
+    def _powering_off(self, name: str) -> None:
+        with Session(self.engine) as session:
+            server = self._load(session, name)
+            if server.power_off_sent_at is None:
+                server.power_off_sent_at = self.now
+                session.add(server)
+                session.commit()
+                try:
+                    error = self._power(name, "off")
+                except ServerBusy:  # nothing went out: try again next tick
+                    with Session(self.engine) as again:
+                        row = self._load(again, name)
+                        row.power_off_sent_at = None
+                        again.add(row)
+                        again.commit()
+                    return
+                if error is not None:
+                    self.report.errors.append(f"{name}: {error}")
+                return
+            if server.power_state is PowerState.OFF:
+                self._move(session, server, S.WARM, "the BMC reports it off: back in the warm pool")
+                server.deployment_id = None
+                server.drain_reason = None
+                session.add(server)
+                session.commit()
+                return
+            waited = self._elapsed(server.power_off_sent_at)
+            if waited > self.settings.power_off_deadline_s:
+                self._fail(
+                    session,
+                    server,
+                    f"the BMC did not power it off within {self.settings.power_off_deadline_s:g} s",
+                )
+                session.commit()
+                return
+            if waited > self.settings.power_retry_after_s:
+                # A graceful shutdown the OS ignored: read again, force it off if still on.
+                session.close()
+                error = self._power(name, "force_off")
+                if error is not None:
+                    self.report.errors.append(f"{name}: {error}")
+
+    # -- capacity --------------------------------------------------------------------------
+
+    def _hold_capacity(self) -> None:
+        with Session(self.engine) as session:
+            deployments = list(session.exec(select(Deployment)))
+            counts: dict[tuple[int | None, ServerState], int] = {
+                (dep, ServerState(state)): int(n)
+                for dep, state, n in session.exec(
+                    select(Server.deployment_id, Server.state, sa.func.count())
+                    .where(
+                        col(Server.state).in_(list(ACTIVE)), col(Server.deployment_id).is_not(None)
+                    )
+                    .group_by(col(Server.deployment_id), col(Server.state))
+                )
+            }
+        for deployment in deployments:
+            have = sum(counts.get((deployment.id, state), 0) for state in ACTIVE)
+            serving = counts.get((deployment.id, S.SERVING), 0)
+            if have < deployment.target_servers:
+                self._fill(deployment, deployment.target_servers - have)
+            # A surplus is released only once it serves: a replacement still booting and a
+            # server back from its reboot both count until then.
+            elif serving > deployment.target_servers and not self.report.breaker_open:
+                self._release(deployment, serving - deployment.target_servers)
+
+    def _fill(self, deployment: Deployment, missing: int) -> None:
+        # Baseline servers first: on already, idle (booting, agent up, no deployment).
+        with Session(self.engine) as session, placement_lock(session):
+            idle = list(
+                session.exec(
+                    select(Server)
+                    .where(
+                        Server.pool == Pool.BASELINE,
+                        Server.state == S.BOOTING,
+                        col(Server.deployment_id).is_(None),
+                        col(Server.gpu_model).in_(deployment.gpu_models or [Server.gpu_model]),
+                    )
+                    .order_by(col(Server.name))
+                )
+            )[:missing]
+            for server in idle:
+                server.deployment_id = deployment.id
+                session.add(server)
+                self.report.moves.append(f"{server.name}: baseline server takes {deployment.name}")
+            session.commit()
+        missing -= len(idle)
+        if missing <= 0:
+            return
+        result = boot_spares(self.engine, deployment.name, missing, ACTOR, raise_target=False)
+        for name in result.booted:
+            self.report.moves.append(f"{name} -> booting for {deployment.name} (capacity)")
+        if result.short:
+            why = "; ".join(result.reasons) or "no spare fits"
+            self.report.errors.append(
+                f"{deployment.name}: {result.short} server(s) short of target: {why}"
+            )
+
+    def _release(self, deployment: Deployment, extra: int) -> None:
+        with Session(self.engine) as session:
+            rows = list(
+                session.exec(
+                    select(Server, Rack.name)
+                    .join(Rack, col(Rack.id) == Server.rack_id)
+                    .where(Server.deployment_id == deployment.id, Server.state == S.SERVING)
+                )
+            )
+            serving = [
+                placement.Serving(
+                    name=s.name,
+                    rack=rack,
+                    deployment=deployment.name,
+                    in_flight=sum(
+                        int(r.get("queued") or 0) + int(r.get("running") or 0)
+                        for r in s.replicas or []
+                    ),
+                    max_w=s.max_w,
+                    standby_w=s.standby_w,
+                )
+                for s, rack in rows
+                if s.pool == Pool.WARM  # baseline servers stay on
+            ]
+            chosen = placement.choose_release(serving, _rooms(session), deployment.name, extra)
+            for name in chosen:
+                server = self._load(session, name)
+                if not self._budget_allows(session, server):
+                    break
+                server.drain_reason = "scale_in"
+                server.drain_started_at = self.now
+                self._move(session, server, S.DRAINING, f"scale in {deployment.name}")
+                session.add(server)
+                session.commit()
+
+
+# ---------------------------------------------------------------------------------------------
+# Autopilot: pause/resume and the breaker
+
+
+def get_autopilot(session: Session) -> Autopilot:
+    row = session.get(Autopilot, 1)
+    if row is None:
+        row = Autopilot(id=1)
+        session.add(row)
+        try:
+            session.commit()
+        except sa.exc.IntegrityError:
+            session.rollback()
+            row = session.get(Autopilot, 1)
+            assert row is not None
+    return row
+
+
+def set_paused(session: Session, paused: bool, actor: str, reason: str) -> Autopilot:
+    row = get_autopilot(session)
+    row.paused = paused
+    row.reason = reason
+    row.changed_by, row.changed_at = actor, utcnow()
+    if not paused:
+        row.breaker_open, row.breaker_reason = False, None  # a person resumes: breaker closes
+    session.add(row)
+    session.add(
+        Event(
+            at=utcnow(),
+            subject_type="service",
+            subject="autopilot",
+            actor=actor,
+            kind="autopilot.paused" if paused else "autopilot.resumed",
+            message=reason,
+        )
+    )
+    session.commit()
+    return row
+
+
+def _check_breaker(session: Session, settings: Settings, autopilot: Autopilot) -> bool:
+    if autopilot.breaker_open:
+        return True
+    total = session.exec(
+        select(sa.func.count()).select_from(Server).where(Server.state != S.RETIRED)
+    ).one()
+    if not total:
+        return False
+    since = utcnow() - timedelta(seconds=settings.breaker_window_s)
+    # A person who resumed has seen what was before: only what happens after counts.
+    if autopilot.changed_at is not None and autopilot.changed_at > since:
+        since = autopilot.changed_at
+    # Count servers, not events: a flapping server is one.
+    sick_servers = session.exec(
+        select(sa.func.count(sa.distinct(col(Event.subject)))).where(
+            Event.kind == "server.health",
+            col(Event.at) >= since,
+            col(Event.details)["verdict"].as_string() == "unhealthy",
+        )
+    ).one()
+    share = int(sick_servers) / int(total)
+    if share <= settings.breaker_share:
+        return False
+    autopilot.breaker_open = True
+    autopilot.breaker_reason = (
+        f"{sick_servers} of {total} servers ({share:.0%}) turned unhealthy within "
+        f"{settings.breaker_window_s:g} s (limit {settings.breaker_share:.0%}): automatic "
+        "remediation stopped; resume with `fleetctl autopilot resume`"
+    )
+    autopilot.breaker_at = utcnow()
+    session.add(autopilot)
+    session.add(
+        Event(
+            at=utcnow(),
+            subject_type="service",
+            subject="autopilot",
+            actor=ACTOR,
+            kind="autopilot.breaker_open",
+            message=autopilot.breaker_reason,
+        )
+    )
+    session.commit()
+    log.error("%s", autopilot.breaker_reason)
+    return True
+
+
+def servers_named(session: Session, names: Sequence[str]) -> list[Server]:
+    rows = list(session.exec(select(Server).where(col(Server.name).in_(list(names)))))
+    missing = sorted(set(names) - {r.name for r in rows})
+    if missing:
+        raise NotFoundError(f"no server named {', '.join(repr(n) for n in missing)}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Operator views and moves
+
+
+def autopilot_view(row: Autopilot) -> dict[str, object]:
+    return {
+        "paused": row.paused,
+        "reason": row.reason,
+        "changed_by": row.changed_by,
+        "changed_at": row.changed_at,
+        "breaker_open": row.breaker_open,
+        "breaker_reason": row.breaker_reason,
+        "breaker_at": row.breaker_at,
+    }
+
+
+def warm_pool(session: Session) -> dict[str, object]:
+    """Warm spares per site and GPU model, each with the watts booting it would commit."""
+    rooms = _rooms(session)
+    rows = session.exec(
+        select(Server, Rack.name, Site.name)
+        .join(Rack, col(Rack.id) == Server.rack_id)
+        .join(Site, col(Site.id) == Rack.site_id)
+        .where(Server.state == S.WARM)
+        .order_by(col(Site.name), col(Server.gpu_model), col(Server.name))
+    )
+    groups: dict[tuple[str, str], list[dict[str, object]]] = {}
+    for server, rack, site in rows:
+        spare = placement.Spare(
+            name=server.name,
+            site=site,
+            rack=rack,
+            gpu_model=server.gpu_model,
+            gpu_count=server.gpu_count,
+            standby_w=server.standby_w,
+            max_w=server.max_w,
+        )
+        groups.setdefault((site, server.gpu_model), []).append(
+            {
+                "server": server.name,
+                "rack": rack,
+                "gpus": server.gpu_count,
+                "boot_cost_w": placement.extra_draw_w(spare),
+                "rack_headroom_w": round(rooms[rack].headroom_w, 1),
+                "fits": placement.fits(spare, rooms[rack]),
+                "boot_to_ready_s": server.boot_to_ready_s,
+                "models_cached": list(server.models_cached),
+            }
+        )
+    return {
+        "count": sum(len(v) for v in groups.values()),
+        "pools": [
+            {"site": site, "gpu_model": model, "count": len(spares), "spares": spares}
+            for (site, model), spares in groups.items()
+        ],
+    }
+
+
+def _view(server: Server) -> dict[str, object]:
+    return {"server": server.name, "state": server.state.value, "drain_reason": server.drain_reason}
+
+
+def operator_drain(session: Session, name: str, actor: str) -> dict[str, object]:
+    [server] = servers_named(session, [name])
+    if server.state != S.SERVING:
+        raise ConflictError(f"server {name} is {server.state.value}: only a serving server drains")
+    lifecycle.transition(session, server, S.DRAINING, actor, "drained by an operator", commit=False)
+    server.drain_reason, server.drain_started_at = "operator", utcnow()
+    session.add(server)
+    session.commit()
+    return _view(server)
+
+
+def operator_undrain(session: Session, name: str, actor: str) -> dict[str, object]:
+    [server] = servers_named(session, [name])
+    if server.state == S.DRAINING:
+        server.drain_reason = "resume"  # once drained, it loads again
+        session.add(server)
+        session.commit()
+        return _view(server)
+    if server.state != S.DRAINED or server.drain_reason not in ("operator", "resume", "probe"):
+        raise ConflictError(
+            f"server {name} is {server.state.value}"
+            + (f" ({server.drain_reason})" if server.drain_reason else "")
+            + ": undrain applies to a server an operator drained"
+        )
+    deployment = session.get(Deployment, server.deployment_id) if server.deployment_id else None
+    _start_boot(session, server, deployment, "resume", actor, "undrained by an operator")
+    session.commit()
+    return _view(server)

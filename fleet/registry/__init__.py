@@ -1,0 +1,1 @@
+"""What agents report, and the routing table routers read."""

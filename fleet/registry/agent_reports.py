@@ -1,0 +1,381 @@
+"""What agents tell the fleet (register, heartbeat) and what the fleet answers (the assignment).
+
+An agent token acts for exactly one server; a report for any other server is refused (403).
+Reports update observed fields (agent identity, last heartbeat, health verdict, per-GPU
+health) and never the lifecycle state: the state machine's loops read these observations and
+decide (docs/design.md). Each report is one transaction; a change of verdict, a registration
+and a GPU count that disagrees with the inventory are Events, ordinary heartbeats are not.
+
+The URLs an agent reports (its own, its replicas') are where routers send users' prompts and
+the fleet its probe: each must name the address the report came from, or lie in one of the
+configured networks (FLEET_AGENT_NETWORKS, for agents behind NAT or a proxy), so an agent
+token cannot point traffic at another host. The agent's local-API key travels in the
+registration and is stored encrypted (fleet.crypto.SecretBox), never shown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from sqlmodel import Session, col, select
+
+from fleet.auth import Principal
+from fleet.crypto import SecretBox
+from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
+from fleet.lifecycle.states import ServerState
+from fleet.models import Deployment, Event, Gpu, GpuHealth, Role, Server, Verdict, utcnow
+
+RepairAction = Literal["none", "restart_engine", "reboot", "hardware_inspection"]
+MAX_GPUS = 64
+MAX_REASONS = 256
+Network = IPv4Network | IPv6Network
+
+
+class Forbidden(FleetError):
+    status_code = 403
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GpuFound(_Strict):
+    index: int = Field(ge=0, le=MAX_GPUS - 1)
+    uuid: str | None = Field(default=None, max_length=64)
+    name: str | None = Field(default=None, max_length=100)
+    memory_mib: int | None = Field(default=None, ge=0)
+    pci_bus_id: str | None = Field(default=None, max_length=32)
+
+
+class Registration(_Strict):
+    server: str = Field(max_length=63)
+    agent_version: str = Field(min_length=1, max_length=32)
+    agent_url: str | None = Field(default=None, max_length=255, pattern=r"^https?://\S+$")
+    # The key the agent's local API asks of /probe callers (fleet_agent/config.py api_key).
+    agent_api_key: SecretStr | None = Field(default=None, min_length=16, max_length=256)
+    telemetry: str = Field(max_length=32)
+    driver_version: str | None = Field(default=None, max_length=32)
+    gpus: list[GpuFound] = Field(default_factory=list, max_length=MAX_GPUS)
+
+
+class GpuStatus(_Strict):
+    index: int = Field(ge=0, le=MAX_GPUS - 1)
+    uuid: str | None = Field(default=None, max_length=64)
+    health: GpuHealth = GpuHealth.UNKNOWN
+    lost: bool = False
+    temperature_c: float | None = None
+    memory_used_mib: int | None = Field(default=None, ge=0)
+    memory_total_mib: int | None = Field(default=None, ge=0)
+    utilization_pct: float | None = Field(default=None, ge=0, le=100)
+    power_w: float | None = Field(default=None, ge=0)
+
+
+class HealthReason(_Strict):
+    code: str = Field(max_length=64)
+    gpu: int | None = Field(default=None, ge=0, le=MAX_GPUS - 1)
+    message: str = Field(max_length=500)
+    action: RepairAction
+    verdict: Verdict
+
+
+class ReplicaStatus(_Strict):
+    """One engine replica as the agent's supervisor sees it (fleet_agent/engine/supervisor.py)."""
+
+    index: int = Field(ge=0, le=MAX_GPUS - 1)
+    gpus: list[int] = Field(default_factory=list, max_length=MAX_GPUS)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    url: str | None = Field(default=None, max_length=255, pattern=r"^https?://\S+$")
+    state: str = Field(max_length=32)
+    restarts: int = Field(default=0, ge=0)
+    load_seconds: float | None = Field(default=None, ge=0)
+    queued: int | None = Field(default=None, ge=0)
+    running: int | None = Field(default=None, ge=0)
+    kv_used_fraction: float | None = Field(default=None, ge=0, le=1)
+    cache_hit_rate: float | None = Field(default=None, ge=0, le=1)
+    tokens_per_s: float | None = Field(default=None, ge=0)
+    ttft_p50_s: float | None = Field(default=None, ge=0)
+    ttft_p95_s: float | None = Field(default=None, ge=0)
+    e2e_p50_s: float | None = Field(default=None, ge=0)
+    e2e_p95_s: float | None = Field(default=None, ge=0)
+
+
+class Heartbeat(_Strict):
+    server: str = Field(max_length=63)
+    verdict: Verdict
+    action: RepairAction = "none"
+    reasons: list[HealthReason] = Field(default_factory=list, max_length=MAX_REASONS)
+    gpus: list[GpuStatus] = Field(default_factory=list, max_length=MAX_GPUS)
+    snapshot_at: datetime | None = None
+    draining: bool = False
+    ready: bool | None = None  # the agent's /readyz: GPUs fine, not draining, replicas ready
+    replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=MAX_GPUS)
+
+
+class Assignment(BaseModel):
+    """What the server should run: nothing, a deployment's replicas, or drain."""
+
+    kind: Literal["none", "serve", "drain"]
+    deployment: str | None = None
+    model_uri: str | None = None
+    model_checksum: str | None = None
+    engine_params: dict[str, Any] = Field(default_factory=dict)
+    gpus_per_replica: int | None = None
+    replicas: int = 0
+
+
+class Reply(BaseModel):
+    server: str
+    state: ServerState
+    heartbeat_interval_s: float
+    expected_gpus: int  # what the inventory says: the agent's policy flags a missing GPU
+    assignment: Assignment
+    # Replica URLs of this heartbeat that the fleet dropped (field: why); the agent logs them.
+    refused_urls: list[str] = Field(default_factory=list)
+
+
+# States in which a server runs its deployment's engines (the assignment is sent when loading).
+_SERVE_STATES = frozenset({ServerState.LOADING, ServerState.SERVING})
+_DRAIN_STATES = frozenset({ServerState.DRAINING, ServerState.DRAINED})
+
+
+def url_problem(url: str, peer: str | None, networks: Sequence[Network]) -> str | None:
+    """Why an agent whose request came from `peer` may not report `url` (None: it may).
+
+    Addresses only: a host name could resolve anywhere (and again differently later)."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a port out of range
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme not in ("http", "https"):
+        return "the scheme must be http or https"
+    if parts.username is not None or parts.password is not None:
+        return "no user name or password in the URL"
+    if not parts.hostname:
+        return "no host"
+    address = _address(parts.hostname)
+    if address is None:
+        return f"host {parts.hostname!r} is a name: give the server's IP address"
+    if peer is not None and address == _address(peer):
+        return None
+    if any(address in network for network in networks):
+        return None
+    return (
+        f"host {address} is not the address this report came from ({peer or 'unknown'}) "
+        "nor in FLEET_AGENT_NETWORKS"
+    )
+
+
+def _address(host: str) -> IPv4Address | IPv6Address | None:
+    try:
+        address = ip_address(host)
+    except ValueError:
+        return None
+    # A dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d.
+    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def check_urls(
+    urls: Sequence[tuple[str, str | None]], peer: str | None, networks: Sequence[Network]
+) -> None:
+    """(field, url) pairs: ValidationFailed (422) naming each field whose URL is refused."""
+    errors = [
+        f"{field}: {problem}"
+        for field, url in urls
+        if url is not None and (problem := url_problem(url, peer, networks)) is not None
+    ]
+    if errors:
+        raise ValidationFailed(errors)
+
+
+def _own_server(session: Session, principal: Principal, name: str) -> Server:
+    """The server this agent token acts for; any other is a 403 (and an unknown one a 404
+    only for the agent whose server it would be, so tokens cannot probe names)."""
+    if principal.role is not Role.AGENT or principal.server_id is None:
+        raise Forbidden("only an agent token (fleetctl token create --role agent) may report")
+    server = session.exec(select(Server).where(Server.name == name)).first()
+    if server is None or server.id != principal.server_id:
+        mine = session.get(Server, principal.server_id)
+        if mine is None:
+            raise NotFoundError("the server this agent token was issued for no longer exists")
+        raise Forbidden(
+            f"this agent token acts for server {mine.name!r}, not {name!r}: "
+            "each agent reports only for its own server"
+        )
+    return server
+
+
+def assignment_for(session: Session, server: Server) -> Assignment:
+    if server.state in _DRAIN_STATES:
+        return Assignment(kind="drain")
+    if server.deployment_id is None or server.state not in _SERVE_STATES:
+        return Assignment(kind="none")
+    deployment = session.get(Deployment, server.deployment_id)
+    if deployment is None:
+        return Assignment(kind="none")
+    return Assignment(
+        kind="serve",
+        deployment=deployment.name,
+        model_uri=deployment.model_uri,
+        model_checksum=deployment.model_checksum,
+        engine_params=dict(deployment.engine_params),
+        gpus_per_replica=deployment.gpus_per_replica,
+        replicas=server.gpu_count // deployment.gpus_per_replica,
+    )
+
+
+def _reply(
+    session: Session, server: Server, interval_s: float, refused: list[str] | None = None
+) -> Reply:
+    return Reply(
+        server=server.name,
+        state=server.state,
+        heartbeat_interval_s=interval_s,
+        expected_gpus=server.gpu_count,
+        assignment=assignment_for(session, server),
+        refused_urls=refused or [],
+    )
+
+
+def _event(server: Server, actor: str, kind: str, message: str, **details: Any) -> Event:
+    return Event(
+        at=utcnow(),
+        subject_type="server",
+        subject=server.name,
+        actor=actor,
+        kind=kind,
+        message=message,
+        details=details,
+    )
+
+
+def register(
+    session: Session,
+    principal: Principal,
+    report: Registration,
+    interval_s: float,
+    *,
+    box: SecretBox,
+    peer: str | None,
+    networks: Sequence[Network] = (),
+) -> Reply:
+    server = _own_server(session, principal, report.server)
+    check_urls([("agent_url", report.agent_url)], peer, networks)
+    now = utcnow()
+    server.agent_version = report.agent_version
+    server.agent_url = report.agent_url
+    key = report.agent_api_key
+    server.agent_api_key_encrypted = box.encrypt(key.get_secret_value()) if key else None
+    server.agent_registered_at = now
+    server.last_heartbeat_at = now
+    session.add(server)
+    _record_gpus_found(session, server, report.gpus, principal.actor)
+    session.add(
+        _event(
+            server,
+            principal.actor,
+            "server.agent_registered",
+            f"agent {report.agent_version} registered ({report.telemetry} telemetry, "
+            f"{len(report.gpus)} GPUs, driver {report.driver_version or 'unknown'})",
+            agent_version=report.agent_version,
+            telemetry=report.telemetry,
+            gpus=len(report.gpus),
+        )
+    )
+    session.commit()
+    return _reply(session, server, interval_s)
+
+
+def _record_gpus_found(session: Session, server: Server, found: list[GpuFound], actor: str) -> None:
+    rows = {g.index: g for g in session.exec(select(Gpu).where(Gpu.server_id == server.id))}
+    uuids = [g.uuid for g in found if g.uuid]
+    if len(set(uuids)) != len(uuids):
+        raise FleetError("gpus: two GPUs report the same uuid")
+    if uuids:
+        elsewhere = session.exec(
+            select(Gpu.uuid, Server.name)
+            .join(Server, col(Server.id) == Gpu.server_id)
+            .where(col(Gpu.uuid).in_(uuids), Gpu.server_id != server.id)
+        ).first()
+        if elsewhere is not None:
+            raise ConflictError(
+                f"GPU {elsewhere[0]} is recorded on server {elsewhere[1]!r}: "
+                "if it was moved, re-import that server's inventory first"
+            )
+    for gpu in found:
+        row = rows.get(gpu.index)
+        if row is not None and gpu.uuid and row.uuid != gpu.uuid:
+            row.uuid = gpu.uuid
+            session.add(row)
+    if len(found) != server.gpu_count:
+        session.add(
+            _event(
+                server,
+                actor,
+                "server.gpu_inventory_mismatch",
+                f"the agent found {len(found)} GPUs; the inventory says {server.gpu_count}",
+                found=len(found),
+                expected=server.gpu_count,
+            )
+        )
+
+
+def heartbeat(
+    session: Session,
+    principal: Principal,
+    report: Heartbeat,
+    interval_s: float,
+    *,
+    peer: str | None,
+    networks: Sequence[Network] = (),
+) -> Reply:
+    server = _own_server(session, principal, report.server)
+    # A replica URL off the rule is dropped (the replica gets no traffic), not the heartbeat:
+    # refusing the whole report would hide the GPUs' health and, after the silence deadline,
+    # power cycle a server whose only fault is its agent's engine_host setting.
+    refused: list[str] = []
+    replicas = [r.model_dump(mode="json") for r in report.replicas]
+    for i, replica in enumerate(replicas):
+        url = replica.get("url")
+        if url is not None and (problem := url_problem(url, peer, networks)) is not None:
+            refused.append(f"replicas[{i}].url: {problem}")
+            replica["url"] = None
+    previous = (server.health_verdict, server.health_action)
+    server.last_heartbeat_at = utcnow()
+    server.health_verdict = report.verdict
+    server.health_action = report.action
+    server.health_reasons = [r.model_dump(mode="json") for r in report.reasons]
+    server.agent_ready = report.ready
+    server.agent_draining = report.draining
+    server.replicas = replicas
+    session.add(server)
+    rows = {g.index: g for g in session.exec(select(Gpu).where(Gpu.server_id == server.id))}
+    for gpu in report.gpus:
+        row = rows.get(gpu.index)
+        health = GpuHealth.UNHEALTHY if gpu.lost else gpu.health
+        if row is not None and row.health != health:
+            row.health = health
+            session.add(row)
+    if previous != (report.verdict, report.action):
+        reasons = "; ".join(r.message for r in report.reasons) or "no faults"
+        session.add(
+            _event(
+                server,
+                principal.actor,
+                "server.health",
+                f"{report.verdict.value} (action: {report.action}): {reasons}"[:1000],
+                verdict=report.verdict.value,
+                action=report.action,
+                was=previous[0].value if previous[0] else None,
+                reasons=[r.code for r in report.reasons],
+            )
+        )
+    session.commit()
+    return _reply(session, server, interval_s, refused)

@@ -1,0 +1,171 @@
+"""The routing table: per deployment, the replicas a router may send to now.
+
+A server receives traffic only when it is `serving`, its agent says ready and its heartbeat is
+fresh (docs/design.md). The router (fleet/router/) reads this every few seconds and each listed
+agent's /state every 250 ms; this table only says who exists, the agents say who is ready now.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from pathlib import PurePosixPath
+from typing import Annotated, Any
+from urllib.parse import urlparse
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from sqlmodel import Session, col, select
+
+from fleet.autoscaler.policy import RouterLoad
+from fleet.lifecycle.states import ServerState
+from fleet.models import Deployment, Int, RouterReport, Server, utcnow
+from fleet.settings import Settings
+
+
+def served_name(model_uri: str) -> str:
+    """The model name trtllm-serve answers to: its checkpoint directory's base name."""
+    parsed = urlparse(model_uri)
+    path = parsed.path if parsed.scheme else model_uri
+    return PurePosixPath(path.rstrip("/")).name or parsed.netloc or model_uri
+
+
+def routing_table(
+    session: Session, settings: Settings, *, now: datetime | None = None
+) -> list[dict[str, Any]]:
+    fresh_after = (now or utcnow()) - timedelta(seconds=3 * settings.heartbeat_interval_s)
+    serving = list(
+        session.exec(
+            select(Server)
+            .where(Server.state == ServerState.SERVING)
+            .where(col(Server.deployment_id).is_not(None))
+            .order_by(col(Server.name))
+        )
+    )
+    out = []
+    for deployment in session.exec(select(Deployment).order_by(col(Deployment.name))):
+        params = deployment.engine_params or {}
+        replicas = [
+            {
+                "server": server.name,
+                "gpu_model": server.gpu_model,
+                "agent_url": server.agent_url,
+                "index": replica.get("index"),
+                "url": replica.get("url"),
+                "state": replica.get("state"),
+            }
+            for server in serving
+            if server.deployment_id == deployment.id
+            and server.agent_ready
+            and server.agent_url
+            and server.last_heartbeat_at is not None
+            and server.last_heartbeat_at >= fresh_after
+            for replica in server.replicas or []
+            if replica.get("url")
+        ]
+        out.append(
+            {
+                "deployment": deployment.name,
+                "models": sorted({deployment.name, served_name(deployment.model_uri)}),
+                "model_uri": deployment.model_uri,
+                "tp_size": int(params.get("tp_size", 1) or 1),
+                "max_batch_size": params.get("max_batch_size"),
+                "sla_p95_latency_ms": deployment.sla_p95_latency_ms,
+                "sla_ttft_ms": deployment.sla_ttft_ms,
+                "replicas": replicas,
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Routers' load reports (the autoscaler's view of what waits in front of the engines)
+
+# Sane figures for one router and deployment: a router's waiting room holds 512 by default
+# (FLEET_ROUTER_QUEUE_BOUND), and no request runs for an hour (its timeout is 15 minutes).
+MAX_WAITING = 100_000
+MAX_LATENCY_S = 3600.0
+# Entries per report: a router reports the deployments of the routing table, tens in a fleet.
+MAX_REPORTED_DEPLOYMENTS = 1000
+MAX_IGNORED_SHOWN = 20
+
+
+class DeploymentLoad(BaseModel):
+    # strict: true is not 1 request waiting, and a p95 is a number (never inf or NaN).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    # 2.0 is 2 (JSON has one number type, and the schema says integer); true is no integer.
+    waiting: Int = Field(ge=0, le=MAX_WAITING, strict=False)
+    p95_s: float | None = Field(default=None, ge=0, le=MAX_LATENCY_S)
+    ttft_p95_s: float | None = Field(default=None, ge=0, le=MAX_LATENCY_S)
+
+
+class LoadReport(BaseModel):
+    """POST /api/v1/routing/report: one router's view, every deployment it routes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    router: str = Field(min_length=1, max_length=100)
+    deployments: dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=63)], DeploymentLoad
+    ] = Field(max_length=MAX_REPORTED_DEPLOYMENTS)
+
+
+class ReportOutcome(BaseModel):
+    """What a report did: rows written, and the deployments it named that the fleet does not
+    have (ignored: nothing stored for them; the first MAX_IGNORED_SHOWN named)."""
+
+    recorded: int
+    ignored: int = 0
+    unknown: list[str] = Field(default_factory=list)
+
+
+def record_report(
+    session: Session, report: LoadReport, *, now: datetime | None = None
+) -> ReportOutcome:
+    """Upsert the router's row per deployment that exists (one transaction).
+
+    Deployments the fleet does not have are ignored and counted, not refused: a router's table
+    lags the fleet by a poll (a deployment just deleted) or comes from a file, and refusing the
+    whole report would blind the autoscaler to that router's real queues. Ignoring stores
+    nothing for a made-up name, so at most one row per router and existing deployment."""
+    at = now or utcnow()
+    named = set(report.deployments)
+    existing: set[str] = set(session.exec(select(Deployment.name)))  # tens: read them all
+    known = named & existing
+    rows = {
+        r.deployment: r
+        for r in session.exec(select(RouterReport).where(RouterReport.router == report.router))
+    }
+    for deployment, load in report.deployments.items():
+        if deployment not in known:
+            continue
+        row = rows.get(deployment) or RouterReport(router=report.router, deployment=deployment)
+        row.at, row.waiting = at, load.waiting
+        row.p95_s, row.ttft_p95_s = load.p95_s, load.ttft_p95_s
+        session.add(row)
+    # A restarted router reports under a new name: its old rows go after an hour.
+    session.execute(sa.delete(RouterReport).where(col(RouterReport.at) < at - timedelta(hours=1)))
+    session.commit()
+    unknown = sorted(named - known)
+    return ReportOutcome(
+        recorded=len(known), ignored=len(unknown), unknown=unknown[:MAX_IGNORED_SHOWN]
+    )
+
+
+def router_loads(session: Session, fresh_after: datetime) -> dict[str, RouterLoad]:
+    """Per deployment, over the routers that reported since `fresh_after`: the waiting summed
+    (at most MAX_WAITING: reports under many router names do not add up without end), the
+    worst p95s."""
+    out: dict[str, RouterLoad] = {}
+    for row in session.exec(select(RouterReport).where(RouterReport.at >= fresh_after)):
+        seen = out.get(row.deployment, RouterLoad())
+        out[row.deployment] = RouterLoad(
+            waiting=min(seen.waiting + row.waiting, MAX_WAITING),
+            p95_s=_max(seen.p95_s, row.p95_s),
+            ttft_p95_s=_max(seen.ttft_p95_s, row.ttft_p95_s),
+        )
+    return out
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)

@@ -1,0 +1,499 @@
+"""The agent's main loop: read the GPUs, judge their health, tell the fleet, hear the assignment.
+
+Every tick (the fleet sets the interval, 5 s by default): one telemetry snapshot (plus Xids
+from the kernel log where the backend is real hardware), the fault policy over the recent
+history, then a heartbeat, or a registration when the agent is not (or no longer) known to be
+registered. When the fleet cannot be reached the agent keeps reading its GPUs and serving its
+local API, backs off with jitter, and registers again once the fleet answers: a fleet restart
+loses nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import re
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, cast
+
+from fleet_agent import AGENT_VERSION
+from fleet_agent.config import AgentSettings
+from fleet_agent.engine.supervisor import EngineSupervisor
+from fleet_agent.fleet_client import FleetClient, FleetRefused, FleetUnreachable
+from fleet_core.fault_policy import Assessment, RepairAction, Verdict, assess
+from fleet_core.telemetry import GpuSample, GpuTelemetry, Snapshot, XidEvent
+
+log = logging.getLogger("fleet_agent.daemon")
+
+# An Xid seen by NVML and again in the kernel log within this many seconds is one event.
+_DUPLICATE_XID_S = 5.0
+
+
+class XidSource(Protocol):
+    """Kernel-log Xids (fleet_agent/telemetry/kmsg.py): new events since the last call."""
+
+    def read_new(self) -> list[XidEvent]: ...
+
+
+@dataclasses.dataclass
+class Drain:
+    """A self-drain in progress: no new requests, in-flight ones finish, then engines stop."""
+
+    reason: str  # "unhealthy" or "fleet"
+    started: float
+    deadline: float
+    stopping: threading.Thread | None = None
+    done: bool = False
+
+
+@dataclasses.dataclass
+class Counters:
+    snapshots: int = 0
+    telemetry_errors: int = 0
+    heartbeats: int = 0
+    heartbeat_failures: int = 0
+    registrations: int = 0
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        telemetry: GpuTelemetry,
+        client: FleetClient,
+        *,
+        kernel_log: XidSource | None = None,
+        supervisor: EngineSupervisor | None = None,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.telemetry = telemetry
+        self.client = client
+        self.kernel_log = kernel_log
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.counters = Counters()
+        self.history: deque[Snapshot] = deque()
+        self.assessment: Assessment | None = None
+        self.registered = False
+        self.expected_gpus = settings.expected_gpus
+        self.interval_s = settings.heartbeat_interval_s
+        self.assignment: dict[str, Any] = {"kind": "none"}
+        self.fleet_state: str | None = None
+        self.last_contact: float | None = None
+        self.last_error: str | None = None
+        self.advertise_url = settings.advertise_url
+        # The local API's key (/probe, /faults): configured, or random per start; the fleet
+        # learns it at (re)registration, so a restart with a new one costs nothing.
+        key = settings.api_key.get_secret_value() if settings.api_key else None
+        self.api_key = key or secrets.token_urlsafe(32)
+        self.supervisor = supervisor
+        self.drain: Drain | None = None
+        self._failures = 0
+        self._refused_urls: list[str] = []
+        self.next_report_at = 0.0  # report at once: register first
+        self._reported: tuple[object, ...] | None = None
+        self._wake = threading.Event()
+        self._lock = threading.RLock()  # the local API reads what the loop writes
+
+    # -----------------------------------------------------------------------------------------
+    # one tick
+
+    def tick(self) -> float:
+        """Read and judge the GPUs, steer the engines, and report when due: every heartbeat
+        interval, and at once when the verdict, readiness or drain state changes. Returns the
+        seconds to wait before the next tick."""
+        self._observe()
+        self._steer_engines()
+        now = self.clock()
+        changed = self._state_key() != self._reported
+        if now >= self.next_report_at or (changed and self._failures == 0):
+            try:
+                self._report()
+            except FleetUnreachable as exc:
+                self.next_report_at = now + self._failed(str(exc), refused=False)
+            except FleetRefused as exc:
+                self.next_report_at = now + self._failed(str(exc), refused=True)
+            else:
+                self._failures = 0
+                self.next_report_at = now + self.interval_s
+        return max(0.0, min(self.settings.sample_interval_s, self.next_report_at - now))
+
+    def wake(self) -> None:
+        """Tick now (e.g. a fault was just injected): the verdict must not wait a sample."""
+        self._wake.set()
+
+    def _state_key(self) -> tuple[object, ...]:
+        assessment = self.assessment
+        return (
+            assessment.verdict if assessment else None,
+            assessment.action if assessment else None,
+            self.ready,
+            self.draining,
+        )
+
+    def _observe(self) -> None:
+        now = self.clock()
+        try:
+            snapshot = self.telemetry.snapshot()
+        except Exception as exc:  # a backend that fails at run time: judged, not fatal
+            self.counters.telemetry_errors += 1
+            log.warning("telemetry (%s) failed: %s", self.telemetry.name, exc)
+            snapshot = None
+        if snapshot is not None:
+            snapshot = self._with_kernel_xids(snapshot)
+            self.counters.snapshots += 1
+        with self._lock:
+            if snapshot is not None:
+                self.history.append(snapshot)
+            while self.history and self.history[0].at < now - self.settings.history_s:
+                self.history.popleft()
+            self.assessment = assess(list(self.history), expected_gpus=self.expected_gpus)
+
+    def _with_kernel_xids(self, snapshot: Snapshot) -> Snapshot:
+        if self.kernel_log is None:
+            return snapshot
+        from fleet_agent.telemetry.kmsg import attach_gpu_indexes
+
+        try:
+            found = attach_gpu_indexes(self.kernel_log.read_new(), snapshot.gpus)
+        except Exception as exc:  # the kernel log is a complement: never fatal
+            log.warning("kernel log read failed, going on without it: %s", exc)
+            self.kernel_log = None
+            return snapshot
+        fresh = [x for x in found if not _seen(x, snapshot.xids)]
+        if not fresh:
+            return snapshot
+        return dataclasses.replace(snapshot, xids=snapshot.xids + tuple(fresh))
+
+    def _report(self) -> None:
+        if not self.registered:
+            reply = self.client.register(self.registration())
+            self.counters.registrations += 1
+            self.registered = True
+            log.info("registered with the fleet as %s", self.settings.server)
+        else:
+            try:
+                reply = self.client.heartbeat(self.heartbeat())
+            except FleetUnreachable:
+                self.registered = False  # register again once the fleet is back
+                raise
+            self.counters.heartbeats += 1
+        self._reported = self._state_key()
+        self._heard(reply)
+
+    # -----------------------------------------------------------------------------------------
+    # engines and self-drain
+
+    def _steer_engines(self) -> None:
+        """Engines run the fleet's assignment while the GPUs are not unhealthy. An unhealthy
+        verdict or the fleet's "drain" starts a self-drain: /readyz turns false at once (routers
+        stop sending), in-flight requests finish (up to drain_deadline_s), then the engines
+        stop gracefully."""
+        supervisor = self.supervisor
+        if supervisor is None:
+            return
+        now = self.clock()
+        kind = self.assignment.get("kind", "none")
+        unhealthy = self.assessment is not None and self.assessment.verdict is Verdict.UNHEALTHY
+        drain = self.drain
+        if drain is not None and drain.done and kind == "serve" and not unhealthy:
+            log.info("drain over: the assignment stands and the GPUs are healthy again")
+            self.drain = drain = None
+        if drain is None:
+            if kind == "serve" and not unhealthy:
+                self._apply(supervisor)
+                return
+            if kind == "none":
+                supervisor.apply(None)
+                return
+            if supervisor.deployment is None:
+                return  # nothing running: nothing to drain
+            reason = "fleet" if kind == "drain" else "unhealthy"
+            self.drain = drain = Drain(reason, now, now + self.settings.drain_deadline_s)
+            log.warning("self-drain (%s): not ready; in-flight requests finish", reason)
+        self._advance_drain(supervisor, drain, now)
+
+    def _apply(self, supervisor: EngineSupervisor) -> None:
+        snapshot = self.latest()
+        gpus = sorted(g.index for g in snapshot.gpus if not g.lost) if snapshot else None
+        try:
+            supervisor.apply(self.assignment, gpus=gpus or None)
+        except ValueError as exc:
+            with self._lock:
+                self.last_error = f"assignment: {exc}"
+
+    def _advance_drain(self, supervisor: EngineSupervisor, drain: Drain, now: float) -> None:
+        if drain.stopping is None:
+            # Stats are a poll old: trust "nothing in flight" only after two polls of the drain.
+            settled = now >= drain.started + 2 * supervisor.config.poll_interval_s
+            idle = settled and supervisor.in_flight() == 0
+            if idle or now >= drain.deadline:
+                if not idle:
+                    log.warning("drain deadline: stopping engines with requests in flight")
+                drain.stopping = threading.Thread(
+                    target=supervisor.stop_all, name="engine-stop", daemon=True
+                )
+                drain.stopping.start()
+        elif not drain.stopping.is_alive() and not drain.done:
+            drain.done = True
+            log.info("drain done: engines stopped")
+
+    def _heard(self, reply: dict[str, Any]) -> None:
+        with self._lock:
+            self.interval_s = float(reply.get("heartbeat_interval_s", self.interval_s))
+            self.expected_gpus = reply.get("expected_gpus", self.expected_gpus)
+            self.assignment = dict(reply.get("assignment") or {"kind": "none"})
+            self.fleet_state = reply.get("state")
+            self.last_contact = self.clock()
+            self.last_error = None
+        refused = list(reply.get("refused_urls") or [])
+        if refused != self._refused_urls:  # said once per change, not every heartbeat
+            self._refused_urls = refused
+            for problem in refused:
+                log.error("the fleet will not route to %s (set engine_host)", problem)
+
+    def _failed(self, error: str, *, refused: bool) -> float:
+        self.counters.heartbeat_failures += 1
+        self._failures += 1
+        with self._lock:
+            self.last_error = error
+        # Full jitter: agents of a whole fleet must not all hammer a restarting service at once.
+        cap = self.settings.backoff_max_s
+        if not refused:
+            cap = min(cap, self.settings.backoff_initial_s * 2 ** min(self._failures, 16))
+        wait = self.rng.uniform(self.settings.backoff_initial_s, max(cap, 0.001))
+        level = logging.ERROR if refused else logging.WARNING
+        log.log(
+            level,
+            "fleet %s: %s; retrying in %.1f s",
+            "refused" if refused else "unreachable",
+            error,
+            wait,
+        )
+        return wait
+
+    # -----------------------------------------------------------------------------------------
+    # what the agent says
+
+    def latest(self) -> Snapshot | None:
+        with self._lock:
+            return self.history[-1] if self.history else None
+
+    def registration(self) -> dict[str, Any]:
+        snapshot = self.latest()
+        gpus = snapshot.gpus if snapshot else ()
+        return printable(
+            {
+                "server": self.settings.server,
+                "agent_version": AGENT_VERSION,
+                "agent_url": self.advertise_url,
+                "agent_api_key": self.api_key,
+                "telemetry": self.telemetry.name,
+                "driver_version": snapshot.driver_version if snapshot else None,
+                "gpus": [
+                    {
+                        "index": g.index,
+                        "uuid": g.uuid,
+                        "name": g.name,
+                        "memory_mib": g.memory_total_mib,
+                        "pci_bus_id": g.pci_bus_id,
+                    }
+                    for g in gpus
+                    if not g.lost
+                ],
+            }
+        )
+
+    def heartbeat(self) -> dict[str, Any]:
+        snapshot = self.latest()
+        with self._lock:
+            assessment = self.assessment
+        verdict = assessment.verdict if assessment else Verdict.DEGRADED
+        return printable(
+            {
+                "server": self.settings.server,
+                "verdict": verdict.value,
+                "action": (assessment.action if assessment else RepairAction.NONE).value,
+                "reasons": [
+                    {
+                        "code": r.code,
+                        "gpu": r.gpu,
+                        "message": r.message[:500],
+                        "action": r.action.value,
+                        "verdict": r.verdict.value,
+                    }
+                    for r in (assessment.reasons if assessment else ())
+                ][:256],
+                "gpus": [_gpu_status(g, assessment) for g in (snapshot.gpus if snapshot else ())],
+                "snapshot_at": _iso(snapshot.at) if snapshot else None,
+                "draining": self.draining,
+                "ready": self.ready,
+                "replicas": [_replica_report(r) for r in self.replicas()],
+            }
+        )
+
+    @property
+    def draining(self) -> bool:
+        return self.assignment.get("kind") == "drain" or self.drain is not None
+
+    def replicas(self) -> list[dict[str, Any]]:
+        return self.supervisor.replica_stats() if self.supervisor is not None else []
+
+    @property
+    def ready(self) -> bool:
+        """GPUs not unhealthy, not draining, and every replica of the assignment ready."""
+        with self._lock:
+            assessment = self.assessment
+        if assessment is None or assessment.verdict is Verdict.UNHEALTHY or not self.history:
+            return False
+        if self.draining:
+            return False
+        if self.assignment.get("kind") == "serve" and self.supervisor is not None:
+            return self.supervisor.ready
+        return True
+
+    def state(self) -> dict[str, Any]:
+        """Everything /state shows: the latest snapshot, the verdict, the fleet's view."""
+        with self._lock:
+            snapshot = self.latest()
+            assessment = self.assessment
+            return {
+                "server": self.settings.server,
+                "agent_version": AGENT_VERSION,
+                "telemetry": self.telemetry.name,
+                "registered": self.registered,
+                "fleet_state": self.fleet_state,
+                "assignment": self.assignment,
+                "ready": self.ready,
+                "draining": self.draining,
+                "drain": _drain_view(self.drain),
+                "replicas": self.replicas(),
+                "last_contact": _iso(self.last_contact) if self.last_contact else None,
+                "last_error": self.last_error,
+                "assessment": assessment.to_dict() if assessment else None,
+                "snapshot": dataclasses.asdict(snapshot) if snapshot else None,
+                "counters": dataclasses.asdict(self.counters),
+            }
+
+    # -----------------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Tick until `stop` is set; the engines stop with the agent."""
+        if self.supervisor is not None:
+            self.supervisor.start()
+        try:
+            while not stop.is_set():
+                try:
+                    wait = self.tick()
+                except Exception:  # never let one bad tick end the agent
+                    log.exception("agent tick failed")
+                    wait = self.settings.sample_interval_s
+                self._wake.wait(wait)
+                self._wake.clear()
+        finally:
+            if self.supervisor is not None:
+                self.supervisor.close(self.settings.engine_stop_grace_s)
+
+
+def _drain_view(drain: Drain | None) -> dict[str, Any] | None:
+    if drain is None:
+        return None
+    return {
+        "reason": drain.reason,
+        "started": _iso(drain.started),
+        "deadline": _iso(drain.deadline),
+        "engines_stopping": drain.stopping is not None and not drain.done,
+        "done": drain.done,
+    }
+
+
+_REPLICA_FIELDS = (
+    "index",
+    "gpus",
+    "port",
+    "url",
+    "state",
+    "restarts",
+    "load_seconds",
+    "queued",
+    "running",
+    "kv_used_fraction",
+    "cache_hit_rate",
+    "tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "e2e_p50_s",
+    "e2e_p95_s",
+)
+
+
+def _replica_report(stats: dict[str, Any]) -> dict[str, Any]:
+    return {key: stats.get(key) for key in _REPLICA_FIELDS}
+
+
+def _seen(event: XidEvent, known: tuple[XidEvent, ...]) -> bool:
+    return any(
+        k.xid == event.xid
+        and (k.gpu_index == event.gpu_index or k.gpu_index is None or event.gpu_index is None)
+        and abs(k.at - event.at) <= _DUPLICATE_XID_S
+        for k in known
+    )
+
+
+def _gpu_status(gpu: GpuSample, assessment: Assessment | None) -> dict[str, Any]:
+    health = "unknown"
+    if assessment is not None:
+        verdicts = {r.verdict for r in assessment.reasons if r.gpu == gpu.index}
+        health = (
+            "unhealthy"
+            if gpu.lost or Verdict.UNHEALTHY in verdicts
+            else "degraded"
+            if Verdict.DEGRADED in verdicts
+            else "healthy"
+        )
+    return {
+        "index": gpu.index,
+        "uuid": gpu.uuid,
+        "health": health,
+        "lost": gpu.lost,
+        "temperature_c": gpu.temperature_c,
+        "memory_used_mib": gpu.memory_used_mib,
+        "memory_total_mib": gpu.memory_total_mib,
+        "utilization_pct": gpu.utilization_pct,
+        "power_w": gpu.power_w,
+    }
+
+
+def _iso(epoch: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(epoch, UTC).isoformat()
+
+
+# C0 (tab and newline included), DEL and C1: the fleet refuses them in every string it is sent
+# (fleet/api/edge.py), and a driver's Xid text or an engine's error can carry them.
+_T = TypeVar("_T")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(value: _T) -> _T:
+    """A report with every string's control characters replaced by spaces: one odd byte in a
+    reason must not get every heartbeat refused (and the server power cycled for silence)."""
+    return cast(_T, _printable(value))
+
+
+def _printable(value: object) -> object:
+    if isinstance(value, str):
+        return _CONTROL.sub(" ", value)
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value

@@ -1,0 +1,555 @@
+"""The continuous-batching engine of the stand-in, one iteration at a time, without a clock.
+
+`EngineCore.step()` does what one TensorRT-LLM executor iteration does and says how long it took
+according to the cost model (fleet_core/cost_model.py); it never sleeps and never reads the
+wall clock, so the stand-in server (fleet_agent/engine/standin.py) drives it in real time and a
+discrete-event simulator can drive it in simulated time with the same code.
+
+What it models, following trtllm-serve's defaults:
+
+- Capacity scheduling is GUARANTEED_NO_EVICT (the policy `trtllm-serve` configures): a waiting
+  request is admitted, first come first served, only when KV blocks for its prompt plus its
+  max_tokens are free after the reservations of every running request, and while fewer than
+  max_batch_size requests run. Nothing is ever evicted or paused.
+- KV cache: blocks of `tokens_per_block` (32) tokens, as many as the cost model's capacity. A
+  running request holds ceil(cached tokens / 32) blocks; its reservation is larger until it ends.
+  Prompt blocks are hashed by prefix: a later prompt sharing whole leading blocks reuses them
+  (TensorRT-LLM's `enable_block_reuse`, on by default) and skips their prefill; at least one prompt
+  token is always computed. Reused blocks are counted, not shared (memory is charged twice).
+- Each iteration (micro-batch) schedules every generation request for one token, then context
+  requests first come first served while max_batch_size requests and max_num_tokens tokens allow.
+  With chunked prefill a context request may take what is left of the token budget (in whole
+  blocks unless it is its last chunk); without it a prompt must fit whole, and a prompt longer
+  than max_num_tokens is refused when it arrives. The iteration that computes the last prompt
+  token also produces the first output token.
+- Tokens: a prompt has ceil(len(text) / 4) tokens (OpenAI's rule of thumb of 4 characters per
+  token). One output token is one word from a fixed vocabulary, " word", drawn from a generator
+  seeded by the prompt and the seed, so the text is the same for the same prompt and seed.
+- Output length: the "natural" length the model would write before its end-of-sequence token is
+  a hash of prompt and seed, log-uniform in 16..1024 (median 128), then capped by max_tokens
+  (finish_reason "length" when capped, "stop" otherwise); `ignore_eos` makes it max_tokens
+  exactly, as benchmark clients ask. A stop string ends the output at the token that completes
+  it ("stop"; that token's text is cut before the stop string). Without max_tokens a request may
+  write up to max_seq_len - prompt tokens and reserves KV for all of them, as in TensorRT-LLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fleet_core import cost_model
+from fleet_core.cost_model import EngineShape
+
+FinishReason = Literal["stop", "length"]
+
+CHARS_PER_TOKEN = 4
+NATURAL_MIN_TOKENS = 16
+NATURAL_MAX_TOKENS = 1024
+
+# Words for generated text: common English words, so that output reads like (meaningless) prose.
+_WORDS = """the of and to in is that it for was on are as with his they at be this from have or by
+    one had not but what all were when we there can an your which their said if do will each
+    about how up out them then she many some so these would other into has more her two like him
+    see time could no make than first been its who now people my made over did down only way
+    find use may water long little very after words called just where most know get through back
+    much before go good new write our used me man too any day same right look think also around
+    another came come work three word must because does part even place well such here take why
+    things help put years different away again off went old number great tell men say small
+    every found still between name should home big give air line set own under read last never
+    us left end along while might next sound below saw something thought both few those always
+    looked show large often together asked house world going want school important until form
+    food keep children feet land side without boy once animals life enough took sometimes four
+    head above kind began almost live page got earth need far hand high year mother light parts
+    country father let night following picture being study second eyes soon times story boys
+    since white days ever paper hard near sentence better best across during today others sure
+    means however leave behind system data model server power rack engine token cache"""
+VOCABULARY: tuple[str, ...] = tuple(_WORDS.split())
+
+
+def count_tokens(text: str) -> int:
+    """Prompt tokens of `text`: ceil(characters / 4), at least 1."""
+    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+
+
+def _digest(*parts: str) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    return h.digest()
+
+
+def natural_output_tokens(prompt: str, seed: str) -> int:
+    """How many tokens the simulated model writes before its end-of-sequence token."""
+    u = int.from_bytes(_digest("length", seed, prompt)[:8], "big") / 2**64
+    span = NATURAL_MAX_TOKENS / NATURAL_MIN_TOKENS
+    return min(NATURAL_MAX_TOKENS, int(NATURAL_MIN_TOKENS * span**u))
+
+
+class RequestRejected(ValueError):
+    """A request this engine can never run (too long for max_seq_len, the token budget or the KV
+    cache). The server answers 400 with the message."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation as the server hands it to the core."""
+
+    request_id: str
+    prompt: str
+    prompt_tokens: int | None = None  # default: count_tokens(prompt)
+    max_tokens: int | None = None  # default: up to max_seq_len - prompt tokens
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None  # per-request seed, mixed with the engine's
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    request_id: str
+    index: int  # 0 for a request's first output token
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    arrival_time: float
+    first_scheduled_time: float
+    first_token_time: float
+    finish_time: float
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    iteration: int
+    duration_s: float
+    prefill: tuple[tuple[str, int], ...]  # (request id, prompt tokens computed this iteration)
+    decoded: tuple[str, ...]  # requests in generation phase that produced one token
+    tokens: tuple[TokenOut, ...]  # every output token of this iteration, first tokens included
+    finished: tuple[Finished, ...]
+    stats: dict[str, Any]  # one `/metrics` entry, TensorRT-LLM's field names
+
+
+@dataclass
+class _Request:
+    spec: GenerationRequest
+    prompt_tokens: int
+    max_new_tokens: int
+    target_tokens: int
+    natural: bool  # target is the natural length: the request ends with "stop", not "length"
+    reserved_blocks: int
+    block_hashes: list[bytes]
+    rng: random.Random
+    arrival_time: float
+    computed: int = 0  # prompt tokens in the KV cache (computed or reused)
+    cached_prompt_tokens: int = 0
+    generated: int = 0
+    text_tail: str = ""
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    started: bool = False  # the prefix-reuse lookup has happened
+
+    @property
+    def in_generation(self) -> bool:
+        return self.computed >= self.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.computed + self.generated
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    shape: EngineShape
+    max_seq_len: int | None = None  # default: the model's context, at most the KV capacity
+    enable_chunked_prefill: bool = False  # trtllm-serve's default
+    enable_block_reuse: bool = True  # TensorRT-LLM's default
+    seed: int = 0
+
+
+@dataclass
+class _KvCounters:
+    alloc_total: int = 0
+    alloc_new: int = 0
+    reused: int = 0
+    missed: int = 0
+    prompt_blocks: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+
+def _timestamp(epoch_s: float) -> str:
+    # TensorRT-LLM's iteration stats carry local time as "MM-DD-YYYY HH:MM:SS".
+    return time.strftime("%m-%d-%Y %H:%M:%S", time.localtime(epoch_s))
+
+
+class EngineCore:
+    """Waiting queue, running set and KV block pool of one engine; `step()` runs one iteration.
+
+    `clock` gives the time at which `add_request` and `step` are called (seconds; the stand-in
+    passes time.time); without one the core keeps its own simulated clock, which starts at 0 and
+    advances by each iteration's duration.
+    """
+
+    def __init__(self, config: CoreConfig, clock: Callable[[], float] | None = None) -> None:
+        self.config = config
+        self.shape = config.shape
+        self.max_blocks = cost_model.kv_capacity_blocks(self.shape)
+        if self.max_blocks < 1:
+            raise ValueError(
+                f"{self.shape.model.name} at {self.shape.precision} does not fit "
+                f"{self.shape.gpus} × {self.shape.gpu.name} with room for a KV cache"
+            )
+        capacity = self.max_blocks * self.shape.tokens_per_block
+        self.max_seq_len = config.max_seq_len or min(
+            self.shape.model.max_position_embeddings, capacity
+        )
+        self._clock = clock
+        self._sim_time = 0.0
+        self._waiting: deque[_Request] = deque()
+        self._active: dict[str, _Request] = {}  # admitted, in admission order
+        self._ids: set[str] = set()  # waiting or active
+        self._iteration = 0
+        self._kv = _KvCounters()
+        self._gpu_mem = cost_model.gpu_memory_used_bytes(self.shape)
+
+    # --- state ----------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self._clock() if self._clock is not None else self._sim_time
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(self._blocks(r.cached_tokens) for r in self._active.values())
+
+    @property
+    def reserved_blocks(self) -> int:
+        return sum(r.reserved_blocks for r in self._active.values())
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._active)
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.shape.tokens_per_block)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(self, spec: GenerationRequest) -> None:
+        """Queue a request; raises RequestRejected if it could never run here."""
+        if spec.request_id in self._ids:
+            raise ValueError(f"duplicate request id {spec.request_id!r}")
+        prompt_tokens = spec.prompt_tokens or count_tokens(spec.prompt)
+        if spec.max_tokens is not None and spec.max_tokens < 1:
+            raise RequestRejected("max_tokens must be at least 1")
+        max_new = (
+            spec.max_tokens if spec.max_tokens is not None else self.max_seq_len - prompt_tokens
+        )
+        if prompt_tokens + max_new > self.max_seq_len or max_new < 1:
+            raise RequestRejected(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_new}) exceeds "
+                f"max_seq_len ({self.max_seq_len})"
+            )
+        if not self.config.enable_chunked_prefill and prompt_tokens > self.shape.max_num_tokens:
+            raise RequestRejected(
+                f"prompt ({prompt_tokens} tokens) exceeds max_num_tokens "
+                f"({self.shape.max_num_tokens}) and chunked prefill is off"
+            )
+        reserved = self._blocks(prompt_tokens + max_new)
+        if reserved > self.max_blocks:
+            raise RequestRejected(
+                f"prompt + max_tokens needs {reserved} KV blocks; the cache has {self.max_blocks}"
+            )
+        seed = f"{self.config.seed}/{spec.seed}"
+        natural = natural_output_tokens(spec.prompt, seed)
+        if spec.ignore_eos or natural > max_new:
+            target, is_natural = max_new, False
+        else:
+            target, is_natural = natural, True
+        rng = random.Random(int.from_bytes(_digest("text", seed, spec.prompt), "big"))
+        self._ids.add(spec.request_id)
+        self._waiting.append(
+            _Request(
+                spec=spec,
+                prompt_tokens=prompt_tokens,
+                max_new_tokens=max_new,
+                target_tokens=target,
+                natural=is_natural,
+                reserved_blocks=reserved,
+                block_hashes=self._prompt_block_hashes(spec.prompt, prompt_tokens),
+                rng=rng,
+                arrival_time=self.now(),
+            )
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (client gone); its blocks are free at once. False if unknown."""
+        if request_id not in self._ids:
+            return False
+        self._ids.discard(request_id)
+        if self._active.pop(request_id, None) is None:
+            self._waiting = deque(r for r in self._waiting if r.spec.request_id != request_id)
+        return True
+
+    def _prompt_block_hashes(self, prompt: str, prompt_tokens: int) -> list[bytes]:
+        if not self.config.enable_block_reuse:
+            return []
+        per_block = self.shape.tokens_per_block * CHARS_PER_TOKEN
+        hashes: list[bytes] = []
+        previous = b""
+        for k in range(prompt_tokens // self.shape.tokens_per_block):
+            previous = hashlib.blake2b(
+                previous + prompt[k * per_block : (k + 1) * per_block].encode(), digest_size=16
+            ).digest()
+            hashes.append(previous)
+        return hashes
+
+    # --- one iteration ----------------------------------------------------------------------
+
+    def step(self) -> IterationResult:
+        """Admit, schedule and run one iteration. Call only while has_work()."""
+        start = self.now()
+        new_active = self._admit()
+        bs = self.shape.max_batch_size
+        budget = self.shape.max_num_tokens
+
+        decoding = [r for r in self._active.values() if r.in_generation][:bs]
+        budget -= len(decoding)
+        slots = bs - len(decoding)
+        context: list[tuple[_Request, int]] = []
+        for r in self._active.values():
+            if r.in_generation:
+                continue
+            if slots <= 0 or budget <= 0:
+                break
+            if not r.started:
+                self._lookup_prefix(r)
+            chunk = self._context_chunk(r, budget)
+            if chunk <= 0:
+                break
+            context.append((r, chunk))
+            budget -= chunk
+            slots -= 1
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = start
+
+        if not decoding and not context:
+            raise RuntimeError("step() called with nothing schedulable; check has_work()")
+
+        ctx_tokens = sum(chunk for _, chunk in context)
+        kv_read = sum(r.cached_tokens for r in decoding) + sum(
+            r.computed + chunk for r, chunk in context
+        )
+        duration = cost_model.iteration_seconds(self.shape, len(decoding), ctx_tokens, kv_read)
+        end = start + duration
+        if self._clock is None:
+            self._sim_time = end
+
+        tokens: list[TokenOut] = []
+        finished: list[Finished] = []
+        for r in decoding:
+            self._emit(r, end, tokens, finished)
+        for r, chunk in context:
+            before = self._blocks(r.computed)
+            r.computed += chunk
+            self._allocate(self._blocks(r.computed) - before)
+            self._remember_blocks(r)
+            if r.in_generation:
+                self._emit(r, end, tokens, finished)
+
+        self._iteration += 1
+        for f in finished:
+            del self._active[f.request_id]
+            self._ids.discard(f.request_id)
+        stats = self._stats(
+            start=start,
+            duration=duration,
+            active=len(self._active) + len(finished),
+            new_active=new_active,
+            completed=len(finished),
+            scheduled=len(decoding) + len(context),
+            context_requests=len(context),
+            gen_requests=len(decoding),
+            ctx_tokens=ctx_tokens,
+        )
+        return IterationResult(
+            iteration=self._iteration,
+            duration_s=duration,
+            prefill=tuple((r.spec.request_id, chunk) for r, chunk in context),
+            decoded=tuple(r.spec.request_id for r in decoding),
+            tokens=tuple(tokens),
+            finished=tuple(finished),
+            stats=stats,
+        )
+
+    def _allocate(self, blocks: int) -> None:
+        self._kv.alloc_total += blocks
+        self._kv.alloc_new += blocks
+
+    def _admit(self) -> int:
+        reserved = self.reserved_blocks
+        admitted = 0
+        while self._waiting and len(self._active) < self.shape.max_batch_size:
+            head = self._waiting[0]
+            if reserved + head.reserved_blocks > self.max_blocks:
+                break  # first come first served: nobody overtakes the head of the queue
+            self._waiting.popleft()
+            self._active[head.spec.request_id] = head
+            reserved += head.reserved_blocks
+            admitted += 1
+        return admitted
+
+    def _lookup_prefix(self, r: _Request) -> None:
+        r.started = True
+        if not r.block_hashes:
+            return
+        cache = self._kv.prompt_blocks
+        hit = 0
+        for h in r.block_hashes:
+            if h not in cache:
+                break
+            cache.move_to_end(h)
+            hit += 1
+        # Always compute at least the last prompt token (it yields the first output token).
+        hit = min(hit, (r.prompt_tokens - 1) // self.shape.tokens_per_block)
+        self._kv.reused += hit
+        self._kv.missed += len(r.block_hashes) - hit
+        self._kv.alloc_total += hit
+        r.computed = r.cached_prompt_tokens = hit * self.shape.tokens_per_block
+
+    def _remember_blocks(self, r: _Request) -> None:
+        cache = self._kv.prompt_blocks
+        full = min(len(r.block_hashes), r.computed // self.shape.tokens_per_block)
+        for h in r.block_hashes[:full]:
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > self.max_blocks:
+            cache.popitem(last=False)
+
+    def _context_chunk(self, r: _Request, budget: int) -> int:
+        remaining = r.prompt_tokens - r.computed
+        if remaining <= budget:
+            return remaining
+        if not self.config.enable_chunked_prefill:
+            return 0
+        per_block = self.shape.tokens_per_block
+        aligned = (budget // per_block) * per_block  # chunks end on block boundaries
+        return aligned if aligned > 0 else budget
+
+    def _emit(
+        self, r: _Request, at: float, tokens: list[TokenOut], finished: list[Finished]
+    ) -> None:
+        before = self._blocks(r.cached_tokens)
+        word = " " + VOCABULARY[r.rng.randrange(len(VOCABULARY))]
+        index = r.generated
+        r.generated += 1
+        self._allocate(self._blocks(r.cached_tokens) - before)
+        if r.first_token_time is None:
+            r.first_token_time = at
+        reason: FinishReason | None = None
+        text = word
+        if r.spec.stop:
+            tail = r.text_tail + word
+            cut = _stop_at(tail, r.spec.stop)
+            if cut is not None:
+                keep = cut - len(r.text_tail)
+                text = word[: max(0, keep)]
+                reason = "stop"
+            r.text_tail = tail[-(max(len(s) for s in r.spec.stop) + 1) :]
+        if reason is None and r.generated >= r.target_tokens:
+            reason = "stop" if r.natural else "length"
+        tokens.append(TokenOut(r.spec.request_id, index, text))
+        if reason is not None:
+            finished.append(
+                Finished(
+                    request_id=r.spec.request_id,
+                    finish_reason=reason,
+                    prompt_tokens=r.prompt_tokens,
+                    completion_tokens=r.generated,
+                    cached_prompt_tokens=r.cached_prompt_tokens,
+                    arrival_time=r.arrival_time,
+                    first_scheduled_time=(
+                        r.arrival_time if r.first_scheduled_time is None else r.first_scheduled_time
+                    ),
+                    first_token_time=r.first_token_time,
+                    finish_time=at,
+                )
+            )
+
+    def _stats(
+        self,
+        *,
+        start: float,
+        duration: float,
+        active: int,
+        new_active: int,
+        completed: int,
+        scheduled: int,
+        context_requests: int,
+        gen_requests: int,
+        ctx_tokens: int,
+    ) -> dict[str, Any]:
+        used = self.used_blocks
+        kv = self._kv
+        lookups = kv.reused + kv.missed
+        return {
+            "iter": self._iteration,
+            "iterLatencyMS": duration * 1e3,
+            "timestamp": _timestamp(start + duration),
+            "newActiveRequestsQueueLatencyMS": 0.0,
+            "numNewActiveRequests": new_active,
+            "numActiveRequests": active,
+            "numQueuedRequests": len(self._waiting),
+            "numCompletedRequests": completed,
+            "maxNumActiveRequests": self.shape.max_batch_size,
+            "maxBatchSizeStatic": self.shape.max_batch_size,
+            "maxBatchSizeRuntime": self.shape.max_batch_size,
+            "maxNumTokensStatic": self.shape.max_num_tokens,
+            "maxNumTokensRuntime": self.shape.max_num_tokens,
+            "gpuMemUsage": self._gpu_mem,
+            "cpuMemUsage": 0,  # not reported by the PyTorch backend
+            "pinnedMemUsage": 0,
+            "kvCacheStats": {
+                "maxNumBlocks": self.max_blocks,
+                "freeNumBlocks": self.max_blocks - used,
+                "usedNumBlocks": used,
+                "tokensPerBlock": self.shape.tokens_per_block,
+                "allocTotalBlocks": kv.alloc_total,
+                "allocNewBlocks": kv.alloc_new,
+                "reusedBlocks": kv.reused,
+                "missedBlocks": kv.missed,
+                "cacheHitRate": kv.reused / lookups if lookups else 0.0,
+            },
+            "inflightBatchingStats": {
+                "numScheduledRequests": scheduled,
+                "numContextRequests": context_requests,
+                "numGenRequests": gen_requests,
+                "numPausedRequests": 0,  # GUARANTEED_NO_EVICT never pauses
+                "numCtxTokens": ctx_tokens,
+                "microBatchId": 0,
+                "avgNumDecodedTokensPerIter": 1.0 if gen_requests else 0.0,
+            },
+        }
+
+
+def _stop_at(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index in `text` where the earliest stop string starts, or None."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,876 @@
+"""EngineSupervisor: one `trtllm-serve` process per replica of the assigned deployment.
+
+Per replica (its GPUs pinned with CUDA_VISIBLE_DEVICES, port base_port + i, its own process
+group, stdout and stderr appended to work_dir/<deployment>/replica-<i>.log):
+
+    starting ─spawn─▶ loading ─/health 200─▶ ready ─/health fails─▶ unhealthy ─200─▶ ready
+                        │ exits, or not ready          │ exits            │ exits, or still
+                        │ within load_timeout_s        ▼                  │ unhealthy after
+                        └──────────────────────▶ restarting ◀─────────────┘ unhealthy_restart_s
+                                                   │ backoff (restart_backoff_s doubling,
+                                                   │ capped) then spawn again (restarts += 1)
+                                                   ▼ max_consecutive_crashes in a row
+                                                 failed (until a different assignment)
+
+`starting` also covers waiting for the previous deployment's engines to exit (they hold the same
+GPUs and ports). The consecutive-crash count resets once a replica stays ready stable_after_s.
+Load time is spawn → first /health 200.
+
+Threading: the daemon calls `apply()` with each assignment it hears (cheap, never blocks: old
+engines get SIGTERM and are reaped by later polls) and either calls `poll()` every tick or lets
+`start()` run a background thread that polls every poll_interval_s (recommended: readiness and
+restarts then do not wait for the heartbeat interval). One poll probes every replica
+concurrently with http_timeout_s timeouts, so it takes about 3 × http_timeout_s at worst. State
+is guarded by one lock; HTTP runs outside it. `stop_all()` blocks (SIGTERM, then SIGKILL after
+the grace period, all replicas at once): for shutdown and the end of a drain.
+
+Stats: the supervisor is the ONLY reader of each engine's /metrics, which hands out the
+iteration stats queued since the previous read and forgets them (docs/source/commands/
+trtllm-serve/trtllm-serve.rst). The entries of the latest poll are kept raw (iteration_stats())
+and the newest one gives queued, running, KV used ÷ max blocks and the cache hit rate. An idle
+engine runs no iterations: with no new entries the Prometheus gauges
+(trtllm_num_requests_running / _waiting, trtllm_kv_cache_utilization) stand in, else
+running = queued = 0. TTFT and end-to-end latency p50/p95 come from the Prometheus histograms
+over the last stats_window_s (histogram_quantile() as Prometheus computes it, on the bucket
+deltas); tokens/s from the trtllm_generation_tokens_total delta, else from the iteration stats
+(generation requests per iteration). Caveat (openai_server.py on main): with
+return_perf_metrics the newest TensorRT-LLM also drains the iteration queue itself to feed
+Prometheus, so /metrics may then come back empty and the gauges carry the load figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleet_agent.engine.command import (
+    check_engine_params,
+    cuda_visible_devices,
+    extra_llm_api_options,
+    model_path,
+    replica_layout,
+    replica_ports,
+    trtllm_serve_argv,
+)
+
+log = logging.getLogger("fleet_agent.engine")
+
+State = Literal[
+    "starting", "loading", "ready", "unhealthy", "restarting", "failed", "stopping", "stopped"
+]
+TTFT = "trtllm_time_to_first_token_seconds"
+E2E = "trtllm_e2e_request_latency_seconds"
+GENERATION_TOKENS = "trtllm_generation_tokens_total"
+RUNNING, WAITING = "trtllm_num_requests_running", "trtllm_num_requests_waiting"
+KV_UTILIZATION, KV_HIT_RATE = "trtllm_kv_cache_utilization", "trtllm_kv_cache_hit_rate"
+_LOG_MAX_BYTES = 64 * 1024 * 1024  # a crash-looping engine's log is rotated once past this
+_PROBE_WORKERS = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SupervisorConfig:
+    work_dir: Path  # per deployment: the extra-options YAML and one log per replica
+    engine_command: tuple[str, ...] = ("trtllm-serve",)
+    host: str = "127.0.0.1"
+    base_port: int = 8100
+    load_timeout_s: float = 900.0  # large models take minutes to load
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+    max_consecutive_crashes: int = 5
+    stop_grace_s: float = 30.0  # SIGTERM lets trtllm-serve finish in-flight requests
+    extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Weights live at model_root/<deployment>/<basename of model_uri> (work_dir/models if None).
+    model_root: Path | None = None
+    poll_interval_s: float = 1.0  # the background thread's (start())
+    http_timeout_s: float = 1.0  # per request: a poll never blocks the agent for long
+    stable_after_s: float = 60.0  # ready this long: the consecutive-crash count starts over
+    unhealthy_restart_s: float = 60.0  # alive but failing /health this long: restarted
+    stats_window_s: float = 60.0  # latency quantiles and tokens/s over this window
+
+    def __post_init__(self) -> None:
+        if not self.engine_command:
+            raise ValueError("engine_command is empty")
+        if self.max_consecutive_crashes < 1:
+            raise ValueError("max_consecutive_crashes must be at least 1")
+        for name in ("load_timeout_s", "poll_interval_s", "http_timeout_s", "stats_window_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus text (pure)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromSnapshot:
+    """One scrape of /prometheus/metrics, label sets summed (or kept, for gauges)."""
+
+    gauges: dict[str, list[float]]  # family -> one value per label set
+    counters: dict[str, float]  # sample name (…_total) -> sum over label sets
+    histograms: dict[str, dict[float, float]]  # family -> upper bound (le) -> cumulative count
+
+
+def parse_prometheus(text: str) -> PromSnapshot:
+    """Parse the text exposition format with prometheus_client's own parser."""
+    gauges: dict[str, list[float]] = {}
+    counters: dict[str, float] = {}
+    histograms: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type == "histogram":
+            buckets = histograms.setdefault(family.name, {})
+            for sample in family.samples:
+                if sample.name == family.name + "_bucket" and "le" in sample.labels:
+                    le = float(sample.labels["le"])  # "+Inf" -> inf
+                    buckets[le] = buckets.get(le, 0.0) + float(sample.value)
+        elif family.type == "counter":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counters[sample.name] = counters.get(sample.name, 0.0) + float(sample.value)
+        elif family.type in {"gauge", "untyped", "unknown"}:
+            values = gauges.setdefault(family.name, [])
+            values.extend(float(s.value) for s in family.samples if s.name == family.name)
+    return PromSnapshot(gauges, counters, histograms)
+
+
+def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """The q-quantile of cumulative buckets {le: count}, interpolated linearly within the bucket
+    like PromQL's histogram_quantile (promql/quantile.go): None without observations or without
+    the +Inf bucket; a rank in the +Inf bucket gives the highest finite bound; the first bucket
+    starts at 0 (unless its bound is not positive)."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile {q} is outside [0, 1]")
+    items = sorted(buckets.items())
+    if len(items) < 2 or not math.isinf(items[-1][0]):
+        return None
+    counts: list[float] = []
+    for _, count in items:  # counts must not decrease (Prometheus repairs small dips too)
+        counts.append(max(count, counts[-1]) if counts else count)
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    b = next((i for i in range(len(items) - 1) if counts[i] >= rank), len(items) - 1)
+    if b == len(items) - 1:
+        return items[-2][0]
+    if b == 0 and items[0][0] <= 0:
+        return items[0][0]
+    start = 0.0 if b == 0 else items[b - 1][0]
+    below = 0.0 if b == 0 else counts[b - 1]
+    in_bucket = counts[b] - below
+    if in_bucket <= 0:
+        return start
+    return start + (items[b][0] - start) * ((rank - below) / in_bucket)
+
+
+def bucket_delta(
+    now: Mapping[float, float], before: Mapping[float, float] | None
+) -> dict[float, float]:
+    """Observations between two scrapes of one histogram (all of `now` without a `before`)."""
+    if before is None:
+        return dict(now)
+    return {le: count - before.get(le, 0.0) for le, count in now.items()}
+
+
+def _is_reset(now: PromSnapshot, before: PromSnapshot) -> bool:
+    """A counter or bucket went down: the engine's registry started over."""
+    if any(now.counters.get(name, value) < value for name, value in before.counters.items()):
+        return True
+    for family, buckets in before.histograms.items():
+        current = now.histograms.get(family, {})
+        if any(current.get(le, count) < count for le, count in buckets.items()):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# per-replica bookkeeping
+
+
+@dataclasses.dataclass
+class _Stats:
+    entries: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # since last poll
+    queued: int | None = None
+    running: int | None = None
+    kv_used_fraction: float | None = None
+    cache_hit_rate: float | None = None
+    tokens_per_s: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    e2e_p50_s: float | None = None
+    e2e_p95_s: float | None = None
+    # (time, scrape) history for the windowed deltas; (time, generated tokens) per poll.
+    scrapes: deque[tuple[float, PromSnapshot]] = dataclasses.field(default_factory=deque)
+    iter_tokens: deque[tuple[float, float]] = dataclasses.field(default_factory=deque)
+
+
+@dataclasses.dataclass(eq=False)
+class _Replica:
+    index: int
+    gpus: tuple[int, ...]
+    port: int
+    url: str
+    argv: list[str]
+    log_path: Path
+    state: State = "starting"
+    proc: subprocess.Popen[bytes] | None = None
+    spawned_at: float | None = None
+    ready_since: float | None = None
+    unhealthy_since: float | None = None
+    next_start_at: float = 0.0
+    restarts: int = 0
+    crashes: int = 0  # consecutive
+    load_seconds: float | None = None
+    last_error: str | None = None
+    stats: _Stats = dataclasses.field(default_factory=_Stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    at: float
+    health: int | None  # None: refused, timed out, or no HTTP answer
+    error: str | None = None
+    entries: list[dict[str, Any]] | None = None
+    prom: PromSnapshot | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Retiring:
+    proc: subprocess.Popen[bytes]
+    kill_at: float
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class EngineSupervisor:
+    def __init__(
+        self, config: SupervisorConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._poll_lock = threading.Lock()  # one poll at a time (thread or daemon tick)
+        self._replicas: list[_Replica] = []
+        self._retiring: list[_Retiring] = []
+        self._identity: str | None = None
+        self._deployment: str | None = None
+        self._assignment_error: str | None = None
+        self._client = httpx.Client(
+            timeout=config.http_timeout_s,
+            trust_env=False,  # never send 127.0.0.1 probes through an HTTP(S)_PROXY
+            limits=httpx.Limits(max_keepalive_connections=0),  # engines restart on one port
+        )
+        self._pool = ThreadPoolExecutor(_PROBE_WORKERS, thread_name_prefix="engine-probe")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -----------------------------------------------------------------------------------------
+    # what the daemon reads
+
+    @property
+    def deployment(self) -> str | None:
+        with self._lock:
+            return self._deployment
+
+    @property
+    def assignment_error(self) -> str | None:
+        with self._lock:
+            return self._assignment_error
+
+    @property
+    def ready(self) -> bool:
+        """Every replica ready (False with no replicas: nothing serves)."""
+        with self._lock:
+            return bool(self._replicas) and all(r.state == "ready" for r in self._replicas)
+
+    def in_flight(self) -> int:
+        """Running + queued requests over all replicas, from the latest stats."""
+        with self._lock:
+            return sum(
+                (r.stats.running or 0) + (r.stats.queued or 0)
+                for r in self._replicas
+                if r.proc is not None
+            )
+
+    def iteration_stats(self, index: int) -> list[dict[str, Any]]:
+        """Replica `index`'s raw /metrics entries from the latest poll (empty when none)."""
+        with self._lock:
+            for r in self._replicas:
+                if r.index == index:
+                    return [dict(e) for e in r.stats.entries]
+            raise IndexError(f"no replica {index}")
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """One JSON-ready dict per replica."""
+        with self._lock:
+            return [self._describe(r) for r in self._replicas]
+
+    def _describe(self, r: _Replica) -> dict[str, Any]:
+        s = r.stats
+        return {
+            "index": r.index,
+            "gpus": list(r.gpus),
+            "port": r.port,
+            "url": r.url,
+            "state": r.state,
+            "pid": r.proc.pid if r.proc is not None else None,
+            "restarts": r.restarts,
+            "load_seconds": r.load_seconds,
+            "queued": s.queued,
+            "running": s.running,
+            "kv_used_fraction": s.kv_used_fraction,
+            "cache_hit_rate": s.cache_hit_rate,
+            "tokens_per_s": s.tokens_per_s,
+            "ttft_p50_s": s.ttft_p50_s,
+            "ttft_p95_s": s.ttft_p95_s,
+            "e2e_p50_s": s.e2e_p50_s,
+            "e2e_p95_s": s.e2e_p95_s,
+            "last_error": r.last_error,
+        }
+
+    # -----------------------------------------------------------------------------------------
+    # the assignment
+
+    def apply(
+        self, assignment: Mapping[str, Any] | None, gpus: Sequence[int] | None = None
+    ) -> None:
+        """Run what the fleet assigned. Idempotent; never blocks on engines.
+
+        `serve` with the same deployment, parameters and layout as now: nothing changes. A
+        different one: every engine gets SIGTERM (reaped, or SIGKILLed after stop_grace_s, by
+        later polls) and the new replicas start once they are gone. `none` (or None): the
+        engines stop the same way. `drain`: nothing changes here; the daemon drains (waits for
+        in_flight() to reach 0, then stop_all()). `gpus`: this host's GPU indexes (default:
+        0 .. replicas × gpus_per_replica - 1). An invalid assignment stops the engines, is
+        remembered (assignment_error) and raises ValueError, again on every repeat.
+        """
+        kind = "none" if assignment is None else assignment.get("kind", "none")
+        if kind == "drain":
+            return
+        if kind == "none":
+            with self._lock:
+                if self._identity is not None or self._replicas:
+                    log.info("assignment none: stopping the engines of %s", self._deployment)
+                self._retire_all()
+                self._identity = self._deployment = self._assignment_error = None
+            return
+        assert assignment is not None
+        with self._lock:
+            try:
+                if kind != "serve":
+                    raise ValueError(f"unknown assignment kind {kind!r}")
+                replicas, yaml_text, name = self._plan(assignment, gpus)
+            except ValueError as exc:
+                identity = _identity(assignment, None if gpus is None else sorted(gpus))
+                if identity == self._identity and self._assignment_error is not None:
+                    raise ValueError(self._assignment_error) from exc
+                log.error("invalid assignment, engines stopped: %s", exc)
+                self._retire_all()
+                self._identity, self._deployment = identity, None
+                self._assignment_error = str(exc)
+                raise
+            # The same deployment, parameters and GPU layout: the engines keep running.
+            identity = _identity(assignment, [r.gpus for r in replicas])
+            if identity == self._identity:
+                return
+            self._retire_all()
+            self._identity = self._deployment = None  # until the new one is in place
+            deploy_dir = replicas[0].log_path.parent
+            deploy_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(deploy_dir / "extra-llm-api-options.yaml", yaml_text)
+            self._replicas = replicas
+            self._identity, self._deployment, self._assignment_error = identity, name, None
+            log.info(
+                "serving %s: %d replica(s) on GPUs %s",
+                name,
+                len(replicas),
+                [r.gpus for r in replicas],
+            )
+            self._spawn_due(self.clock())
+
+    def _plan(
+        self, assignment: Mapping[str, Any], gpus: Sequence[int] | None
+    ) -> tuple[list[_Replica], str, str]:
+        cfg = self.config
+        name = assignment.get("deployment")
+        uri = assignment.get("model_uri")
+        per_replica = assignment.get("gpus_per_replica")
+        wanted = assignment.get("replicas") or 0
+        params = assignment.get("engine_params") or {}
+        if not isinstance(name, str) or not name:
+            raise ValueError("assignment.deployment is missing")
+        if not isinstance(uri, str) or not uri:
+            raise ValueError("assignment.model_uri is missing")
+        if not isinstance(per_replica, int) or isinstance(per_replica, bool):
+            raise ValueError("assignment.gpus_per_replica must be an integer")
+        if not isinstance(wanted, int) or wanted < 0:
+            raise ValueError("assignment.replicas must be a non-negative integer")
+        if not isinstance(params, Mapping):
+            raise ValueError("assignment.engine_params must be a mapping")
+        check_engine_params(params)
+        tp, pp = params.get("tp_size", 1), params.get("pp_size", 1)
+        if tp * pp != per_replica:
+            raise ValueError(
+                f"gpus_per_replica ({per_replica}) must equal tp_size × pp_size ({tp} × {pp})"
+            )
+        host_gpus = list(gpus) if gpus is not None else list(range(wanted * per_replica))
+        layout = replica_layout(host_gpus, per_replica)
+        if wanted:
+            layout = layout[:wanted]  # more GPUs than the fleet counted on: leave them idle
+        if len(layout) < wanted:
+            log.warning(
+                "%s: room for %d of the %d replicas assigned (GPUs %s)",
+                name,
+                len(layout),
+                wanted,
+                host_gpus,
+            )
+        ports = replica_ports(cfg.base_port, len(layout))
+        deploy_dir = cfg.work_dir / name
+        root = cfg.model_root if cfg.model_root is not None else cfg.work_dir / "models"
+        model = str(model_path(root, name, uri))
+        options_path = deploy_dir / "extra-llm-api-options.yaml"
+        yaml_text = yaml.safe_dump(extra_llm_api_options(params), sort_keys=True)
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        replicas = [
+            _Replica(
+                index=i,
+                gpus=group,
+                port=port,
+                url=f"http://{host}:{port}",
+                argv=trtllm_serve_argv(
+                    cfg.engine_command, model, params, cfg.host, port, str(options_path)
+                ),
+                log_path=deploy_dir / f"replica-{i}.log",
+            )
+            for i, (group, port) in enumerate(zip(layout, ports, strict=True))
+        ]
+        return replicas, yaml_text, name
+
+    # -----------------------------------------------------------------------------------------
+    # one round
+
+    def poll(self) -> None:
+        """Reap, (re)start, probe /health and scrape stats of every replica, once."""
+        if not self._poll_lock.acquire(blocking=False):
+            return  # a round is already running (background thread and a daemon tick)
+        try:
+            with self._lock:
+                now = self.clock()
+                self._reap_retiring(now)
+                for r in self._replicas:
+                    self._check_process(r, now)
+                self._spawn_due(now)
+                targets = [(r, r.proc) for r in self._replicas if r.proc is not None]
+            probes = list(self._pool.map(lambda t: self._probe(t[0].url), targets))
+            with self._lock:
+                for (r, proc), probe in zip(targets, probes, strict=True):
+                    if r in self._replicas and r.proc is proc:  # not replaced meanwhile
+                        self._observe(r, probe)
+        finally:
+            self._poll_lock.release()
+
+    def _check_process(self, r: _Replica, now: float) -> None:
+        cfg = self.config
+        if r.proc is None:
+            return
+        code = r.proc.poll()
+        if code is not None:
+            self._crashed(r, now, f"engine exited with code {code}{_log_tail(r.log_path)}")
+        elif (
+            r.state == "loading"
+            and r.spawned_at is not None
+            and now - r.spawned_at > cfg.load_timeout_s
+        ):
+            self._kill(r)
+            self._crashed(r, now, f"not ready within load_timeout_s ({cfg.load_timeout_s:g} s)")
+        elif (
+            r.state == "unhealthy"
+            and r.unhealthy_since is not None
+            and now - r.unhealthy_since > cfg.unhealthy_restart_s
+        ):
+            self._kill(r)
+            self._crashed(
+                r, now, f"unhealthy for {cfg.unhealthy_restart_s:g} s: {r.last_error or ''}"
+            )
+
+    def _spawn_due(self, now: float) -> None:
+        if self._retiring:  # the previous engines still hold these GPUs and ports
+            return
+        for r in self._replicas:
+            if r.state in {"starting", "restarting"} and r.proc is None and now >= r.next_start_at:
+                self._spawn(r, now)
+
+    def _spawn(self, r: _Replica, now: float) -> None:
+        cfg = self.config
+        if r.state == "restarting":
+            r.restarts += 1
+        r.stats = _Stats()
+        if not _port_free(cfg.host, r.port):
+            self._crashed(r, now, f"port {r.port} on {cfg.host} is in use by another process")
+            return
+        # The agent's own settings (its fleet token among them) are none of the engine's business.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_AGENT_")}
+        env.update(cfg.extra_env)
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(r.gpus)
+        try:
+            r.log_path.parent.mkdir(parents=True, exist_ok=True)
+            _rotate(r.log_path)
+            with open(r.log_path, "ab") as out:
+                out.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {r.argv}\n".encode())
+                out.flush()
+                r.proc = subprocess.Popen(
+                    r.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=r.log_path.parent,
+                    start_new_session=True,  # its own process group: MPI ranks go with it
+                )
+        except OSError as exc:
+            self._crashed(r, now, f"cannot start {r.argv[0]}: {exc}")
+            return
+        r.state, r.spawned_at, r.ready_since, r.unhealthy_since = "loading", now, None, None
+        log.info(
+            "replica %d: started pid %d on GPUs %s, port %d", r.index, r.proc.pid, r.gpus, r.port
+        )
+
+    def _crashed(self, r: _Replica, now: float, error: str) -> None:
+        cfg = self.config
+        if r.proc is not None:
+            _killpg(r.proc.pid, signal.SIGKILL)  # ranks the leader left behind
+        r.proc = None
+        r.crashes += 1
+        r.last_error = error[:1000]
+        r.stats = _Stats()
+        r.ready_since = r.unhealthy_since = None
+        if r.crashes >= cfg.max_consecutive_crashes:
+            r.state = "failed"
+            log.error("replica %d failed after %d crashes in a row: %s", r.index, r.crashes, error)
+            return
+        backoff = min(cfg.restart_backoff_s * 2 ** (r.crashes - 1), cfg.restart_backoff_max_s)
+        r.state, r.next_start_at = "restarting", now + backoff
+        log.warning("replica %d: %s; restarting in %.1f s", r.index, error, backoff)
+
+    def _kill(self, r: _Replica) -> None:
+        if r.proc is not None:
+            _killpg(r.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.proc.wait(timeout=1.0)
+
+    def _probe(self, url: str) -> _Probe:
+        """GET /health; when 200, also /metrics and /prometheus/metrics. No lock held."""
+        try:
+            health = self._client.get(url + "/health").status_code
+        except httpx.HTTPError as exc:
+            return _Probe(self.clock(), None, f"/health: {type(exc).__name__}: {exc}")
+        at = self.clock()  # load time ends at the first 200, not after the scrapes
+        if health != 200:
+            return _Probe(at, health, f"/health answered {health}")
+        errors: list[str] = []
+        entries: list[dict[str, Any]] | None = None
+        prom: PromSnapshot | None = None
+        try:
+            reply = self._client.get(url + "/metrics")
+            reply.raise_for_status()
+            data = reply.json()
+            entries = [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+        except (httpx.HTTPError, ValueError) as exc:
+            errors.append(f"/metrics: {exc}")
+        try:
+            reply = self._client.get(url + "/prometheus/metrics")
+            reply.raise_for_status()
+            prom = parse_prometheus(reply.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            errors.append(f"/prometheus/metrics: {exc}")
+        return _Probe(at, 200, "; ".join(errors) or None, entries, prom)
+
+    def _observe(self, r: _Replica, probe: _Probe) -> None:
+        cfg = self.config
+        if probe.health != 200 and r.proc is not None and r.proc.poll() is not None:
+            self._check_process(r, probe.at)  # it died during the probe: a crash, not unhealthy
+            return
+        if probe.health != 200:
+            if r.state == "ready":
+                r.state, r.unhealthy_since = "unhealthy", probe.at
+                log.warning("replica %d: not healthy: %s", r.index, probe.error)
+            if r.state == "unhealthy":
+                r.last_error = probe.error
+            return
+        if r.state == "loading":
+            r.load_seconds = probe.at - (r.spawned_at or probe.at)
+            log.info("replica %d: ready after %.1f s", r.index, r.load_seconds)
+        if r.state in {"loading", "unhealthy"}:
+            r.state, r.ready_since, r.unhealthy_since = "ready", probe.at, None
+        if (
+            r.crashes
+            and r.ready_since is not None
+            and probe.at - r.ready_since >= cfg.stable_after_s
+        ):
+            r.crashes = 0
+        if probe.error:
+            log.debug("replica %d: %s", r.index, probe.error)
+        _update_stats(r.stats, probe, cfg.stats_window_s)
+
+    # -----------------------------------------------------------------------------------------
+    # stopping
+
+    def _retire_all(self) -> None:
+        """SIGTERM every engine; later polls reap them (SIGKILL after stop_grace_s)."""
+        kill_at = self.clock() + self.config.stop_grace_s
+        for r in self._replicas:
+            if r.proc is not None:
+                _killpg(r.proc.pid, signal.SIGTERM)
+                self._retiring.append(_Retiring(r.proc, kill_at))
+                r.proc = None
+            r.state = "stopping"
+        self._replicas = []
+
+    def _reap_retiring(self, now: float) -> None:
+        left: list[_Retiring] = []
+        for old in self._retiring:
+            if old.proc.poll() is not None:
+                _killpg(old.proc.pid, signal.SIGKILL)  # its leftover ranks, if any
+            else:
+                if now >= old.kill_at:
+                    log.warning("engine pid %d ignored SIGTERM: SIGKILL", old.proc.pid)
+                    _killpg(old.proc.pid, signal.SIGKILL)
+                left.append(old)
+        self._retiring = left
+
+    def stop_all(self, grace_s: float | None = None) -> None:
+        """Stop every engine now: SIGTERM to all at once, SIGKILL to those still running after
+        grace_s (default stop_grace_s). Blocks until they are gone. The assignment is forgotten:
+        the next apply() starts afresh."""
+        grace = self.config.stop_grace_s if grace_s is None else grace_s
+        with self._lock:
+            for r in self._replicas:
+                r.state = "stopping"
+            procs = [r.proc for r in self._replicas if r.proc is not None]
+            procs += [old.proc for old in self._retiring]
+            self._replicas, self._retiring = [], []
+            self._identity = self._deployment = self._assignment_error = None
+        _terminate(procs, grace)
+
+    # -----------------------------------------------------------------------------------------
+    # the optional background thread
+
+    def start(self) -> None:
+        """Poll every poll_interval_s on a thread of its own until close()."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except Exception:  # one bad round must not end supervision
+                log.exception("engine supervisor poll failed")
+            self._stop.wait(self.config.poll_interval_s)
+
+    def close(self, grace_s: float | None = None) -> None:
+        """Stop the thread (if any), every engine (stop_all), and the HTTP client."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=4 * self.config.http_timeout_s + 5.0)
+            self._thread = None
+        self.stop_all(grace_s)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._client.close()
+
+    def __enter__(self) -> EngineSupervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# stats (pure but for the Replica's own history)
+
+
+def _update_stats(s: _Stats, probe: _Probe, window_s: float) -> None:
+    entries = probe.entries or []
+    s.entries = entries
+    latest = max(entries, key=lambda e: _num(e.get("iter")) or 0.0) if entries else None
+    prom = probe.prom
+    if latest is not None:
+        s.running = _int(latest.get("numActiveRequests"))
+        s.queued = _int(latest.get("numQueuedRequests"))
+        kv = latest.get("kvCacheStats")
+        if isinstance(kv, Mapping):
+            used, total = _num(kv.get("usedNumBlocks")), _num(kv.get("maxNumBlocks"))
+            if used is not None and total:
+                s.kv_used_fraction = used / total
+            s.cache_hit_rate = _hit_rate(kv)
+    elif prom is not None and (RUNNING in prom.gauges or WAITING in prom.gauges):
+        s.running = int(sum(prom.gauges.get(RUNNING, [])))
+        s.queued = int(sum(prom.gauges.get(WAITING, [])))
+    else:
+        s.running = s.queued = 0  # an idle engine runs no iterations, so reports none
+    if latest is None and prom is not None:
+        if prom.gauges.get(KV_UTILIZATION):
+            s.kv_used_fraction = max(prom.gauges[KV_UTILIZATION])
+        if prom.gauges.get(KV_HIT_RATE):
+            s.cache_hit_rate = max(prom.gauges[KV_HIT_RATE])
+
+    # Iteration stats: each generation request decodes one token per iteration.
+    tokens = 0.0
+    for entry in entries:
+        batching = entry.get("inflightBatchingStats")
+        if isinstance(batching, Mapping):
+            tokens += _num(batching.get("numGenRequests")) or 0.0
+    s.iter_tokens.append((probe.at, tokens))
+    _trim(s.iter_tokens, probe.at, window_s)
+    iter_rate = None
+    if len(s.iter_tokens) >= 2 and probe.at > s.iter_tokens[0][0]:
+        generated = sum(n for _, n in list(s.iter_tokens)[1:])
+        iter_rate = generated / (probe.at - s.iter_tokens[0][0])
+
+    prom_rate = None
+    if prom is not None:
+        # Only what the windows need is kept (a full scrape is ~60 families per replica).
+        kept = PromSnapshot(
+            {},
+            {k: v for k, v in prom.counters.items() if k == GENERATION_TOKENS},
+            {k: v for k, v in prom.histograms.items() if k in {TTFT, E2E}},
+        )
+        if s.scrapes and _is_reset(kept, s.scrapes[-1][1]):
+            s.scrapes.clear()
+        s.scrapes.append((probe.at, kept))
+        _trim(s.scrapes, probe.at, window_s)
+        base_at, base = s.scrapes[0] if len(s.scrapes) >= 2 else (None, None)
+        if base is not None and base_at is not None and GENERATION_TOKENS in prom.counters:
+            before = base.counters.get(GENERATION_TOKENS)
+            if before is not None and probe.at > base_at:
+                prom_rate = (prom.counters[GENERATION_TOKENS] - before) / (probe.at - base_at)
+        for family, fields in (
+            (TTFT, ("ttft_p50_s", "ttft_p95_s")),
+            (E2E, ("e2e_p50_s", "e2e_p95_s")),
+        ):
+            buckets = prom.histograms.get(family)
+            window = None
+            if buckets is not None:
+                window = bucket_delta(buckets, base.histograms.get(family) if base else None)
+            for q, field in zip((0.5, 0.95), fields, strict=True):
+                setattr(s, field, histogram_quantile(q, window) if window else None)
+    s.tokens_per_s = prom_rate if prom_rate is not None else iter_rate
+
+
+def _identity(assignment: Mapping[str, Any], layout: Any) -> str:
+    return json.dumps(
+        {"assignment": dict(assignment), "layout": layout}, sort_keys=True, default=repr
+    )
+
+
+def _trim(history: deque[Any], now: float, window_s: float) -> None:
+    """Keep one entry at or before the window's start (the baseline) and all after it."""
+    while len(history) >= 2 and history[1][0] <= now - window_s:
+        history.popleft()
+
+
+def _hit_rate(kv: Mapping[str, Any]) -> float | None:
+    rate = _num(kv.get("cacheHitRate"))
+    if rate is not None:
+        return rate
+    reused, missed = _num(kv.get("reusedBlocks")), _num(kv.get("missedBlocks"))
+    if reused is None or missed is None or reused + missed <= 0:
+        return None
+    return reused / (reused + missed)
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _int(value: Any) -> int | None:
+    number = _num(value)
+    return None if number is None else int(number)
+
+
+# ---------------------------------------------------------------------------------------------
+# processes and files
+
+
+def _killpg(pid: int, sig: signal.Signals) -> None:
+    """Signal the engine's whole process group (trtllm-serve's MPI ranks included)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _terminate(procs: Iterable[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM all at once; SIGKILL whatever still runs at the shared deadline."""
+    procs = list(procs)
+    for proc in procs:
+        _killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + max(grace_s, 0.0)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    for proc in procs:
+        if proc.poll() is None:
+            log.warning("engine pid %d still running after %.1f s: SIGKILL", proc.pid, grace_s)
+        _killpg(proc.pid, signal.SIGKILL)  # the leader if it lingers, its ranks in any case
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether the engine will be able to bind its port (another process listening: no)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _log_tail(path: Path, limit: int = 300) -> str:
+    """': <last line of the log>' (the engine's own last word on why it exited), or ''."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if ln and not ln.startswith("=== ")]
+    return f": {lines[-1][:limit]}" if lines else ""
+
+
+def _rotate(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.stat().st_size > _LOG_MAX_BYTES:
+            os.replace(path, path.with_name(path.name + ".1"))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,119 @@
+"""Start an agent: pick the telemetry backend, open the local API, tick until stopped."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import signal
+import threading
+from types import FrameType
+
+from fleet_agent.config import AgentSettings
+from fleet_agent.daemon import Agent, XidSource
+from fleet_agent.engine.supervisor import EngineSupervisor, SupervisorConfig
+from fleet_agent.fleet_client import FleetClient
+from fleet_agent.local_api import LocalApi
+from fleet_core.telemetry import GpuTelemetry, TelemetryUnavailable
+
+log = logging.getLogger("fleet_agent")
+
+
+def build_telemetry(settings: AgentSettings) -> GpuTelemetry:
+    """The configured backend; TelemetryUnavailable (a clear refusal) if it cannot run here."""
+    if settings.telemetry == "nvml":
+        from fleet_agent.telemetry.nvml import NvmlTelemetry
+
+        return NvmlTelemetry()
+    if settings.telemetry == "dcgm":
+        from fleet_agent.telemetry.dcgm import DcgmTelemetry
+
+        return DcgmTelemetry(settings.dcgm_url)
+    from fleet_agent.telemetry.simulated import SimulatedTelemetry
+
+    log.warning(
+        "telemetry: SIMULATED GPUs (%d x %s) - a stand-in for hosts without GPUs",
+        settings.sim_gpus,
+        settings.sim_gpu_model,
+    )
+    return SimulatedTelemetry(
+        settings.sim_gpu_model,
+        settings.sim_gpus,
+        fault_file=settings.sim_fault_file,
+        seed=settings.sim_seed,
+    )
+
+
+def build_kernel_log(settings: AgentSettings) -> XidSource | None:
+    """Kernel-log Xids for the real backends (the simulated one has no kernel to read)."""
+    if settings.telemetry == "simulated" or not settings.kernel_log:
+        return None
+    from fleet_agent.telemetry.kmsg import KmsgReader
+
+    try:
+        return KmsgReader()
+    except TelemetryUnavailable as exc:
+        log.warning("kernel log Xids off: %s", exc)
+        return None
+
+
+def build_supervisor(settings: AgentSettings) -> EngineSupervisor:
+    config = SupervisorConfig(
+        work_dir=settings.work_dir / "engines",
+        engine_command=tuple(shlex.split(settings.engine_command)),
+        host=settings.engine_host,
+        base_port=settings.engine_base_port,
+        load_timeout_s=settings.engine_load_timeout_s,
+        stop_grace_s=settings.engine_stop_grace_s,
+        model_root=settings.model_root,
+    )
+    return EngineSupervisor(config)
+
+
+def run(settings: AgentSettings, stop: threading.Event | None = None) -> None:
+    """Run until `stop` is set (or SIGTERM/SIGINT in the main thread)."""
+    stop = stop or threading.Event()
+    telemetry = build_telemetry(settings)
+    client = FleetClient(
+        settings.fleet_url,
+        settings.token.get_secret_value(),
+        settings.request_timeout_s,
+        ca_bundle=settings.ca_bundle,
+    )
+    agent = Agent(
+        settings,
+        telemetry,
+        client,
+        kernel_log=build_kernel_log(settings),
+        supervisor=build_supervisor(settings),
+    )
+    api = LocalApi(
+        agent,
+        settings.listen_host,
+        settings.listen_port,
+        tls_cert=settings.tls_cert,
+        tls_key=settings.tls_key,
+        client_ca=settings.tls_client_ca,
+    )
+    agent.advertise_url = settings.advertise_url or api.url
+    if threading.current_thread() is threading.main_thread():
+
+        def _stop(signum: int, _frame: FrameType | None) -> None:
+            log.info("signal %d: stopping", signum)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+    api.start()
+    log.info(
+        "agent for %s: local API at %s, fleet at %s, telemetry %s",
+        settings.server,
+        api.url,
+        settings.fleet_url,
+        telemetry.name,
+    )
+    try:
+        agent.run(stop)
+    finally:
+        api.stop()
+        client.close()
+        telemetry.close()

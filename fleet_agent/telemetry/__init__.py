@@ -1,0 +1,1 @@
+"""GPU telemetry backends behind one snapshot shape (fleet_core/telemetry.py)."""
