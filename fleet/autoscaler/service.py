@@ -1,7 +1,7 @@
 """The autoscaler's I/O edge: signals from heartbeats in, targets and decision records out.
 
 Each tick (the leader's "autoscaler" loop) aggregates every deployment's fresh replica stats
-into `Signals` (fleet/autoscaler/policy.py), keeps a sliding history per deployment in memory
+into `Signals` (fleet/autoscaler/signals.py), keeps a sliding history per deployment in memory
 (a new leader starts with empty windows: it cannot scale down before a full down window of
 data, which is the safe direction), asks `decide`, and writes the new `target_servers`, which
 the provisioner then makes true. Every change, and every change of rule while holding, is a
@@ -21,19 +21,13 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet.autoscaler.policy import (
-    DeploymentState,
-    PolicyConfig,
-    RouterLoad,
-    Signals,
-    aggregate,
-    decide,
-)
+from fleet.autoscaler.policy import decide
+from fleet.autoscaler.signals import DeploymentState, PolicyConfig, RouterLoad, Signals, aggregate
 from fleet.events import deployment_event
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, ScalingDecision, Server, utcnow
+from fleet.provisioning.autopilot import get_autopilot
 from fleet.provisioning.boot_times import measured_boots, p90
-from fleet.provisioning.workflows import get_autopilot
 from fleet.registry.routing_table import router_loads
 from fleet.settings import Settings
 

@@ -15,6 +15,9 @@ from typing import Any, Literal
 from fleet.models import BmcProtocol, PowerState
 
 PowerAction = Literal["on", "off", "force_off", "cycle"]
+# What may be asked of a BMC's power: an action, or a read of the state ("status").
+Action = Literal["on", "off", "force_off", "cycle", "status"]
+ACTIONS: tuple[Action, ...] = ("on", "off", "force_off", "cycle", "status")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,6 +154,21 @@ class PowerDriver(abc.ABC):
     def power_cycle(self) -> ActionResult:
         """Off then on (a hard reset where the BMC offers one); a server that is off is
         simply powered on."""
+
+    def act(self, action: Action) -> ActionResult | PowerState:
+        """The one place a power action is dispatched: "status" reads the state, the others
+        act (each reads back what it did)."""
+        if action == "status":
+            return self.power_state()
+        if action == "on":
+            return self.power_on()
+        if action == "off":
+            return self.power_off(force=False)
+        if action == "force_off":
+            return self.power_off(force=True)
+        if action == "cycle":
+            return self.power_cycle()
+        raise ValueError(f"unknown power action {action!r} (one of {', '.join(ACTIONS)})")
 
     @abc.abstractmethod
     def identify(self, on: bool = True) -> None:

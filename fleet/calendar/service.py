@@ -46,8 +46,8 @@ from fleet.calendar.plan import (
 from fleet.events import deployment_event
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, ScalingDecision, ScheduleEntry, Server, utcnow
+from fleet.provisioning.autopilot import get_autopilot
 from fleet.provisioning.boot_times import measured_boots, p90_by_model
-from fleet.provisioning.workflows import get_autopilot
 from fleet.settings import Settings
 
 log = logging.getLogger(__name__)

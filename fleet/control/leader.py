@@ -21,20 +21,19 @@ the lock and follows for a back-off, so that another replica takes over.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Protocol
+from typing import Protocol
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
+
+from fleet.locks import FileLock, PostgresSessionLock
 
 log = logging.getLogger(__name__)
 
@@ -77,62 +76,43 @@ class SoleProcess:
 
 
 class FileLeadership:
-    """An exclusive, non-blocking flock on a file beside the SQLite database."""
+    """An exclusive, non-blocking flock on a file beside the SQLite database (fleet/locks.py),
+    the holder's name written in it."""
 
     def __init__(self, path: Path, name: str) -> None:
         self.name = name
-        self._path = path
-        self._file: IO[str] | None = None
+        self._lock = FileLock(path)
         self._guard = threading.Lock()
 
     def is_leader(self) -> bool:
         with self._guard:
-            if self._file is not None:
-                return True
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            handle = self._path.open("a+")
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.close()
-                return False
-            handle.seek(0)
-            handle.truncate()
-            handle.write(identity() + "\n")
-            handle.flush()
-            self._file = handle
-            return True
+            return self._lock.acquire(wait=False, stamp=identity() + "\n")
 
     def release(self) -> None:
         with self._guard:
-            if self._file is not None:
-                fcntl.flock(self._file, fcntl.LOCK_UN)
-                self._file.close()
-                self._file = None
+            self._lock.release()
 
 
 class PostgresLeadership:
-    """A session advisory lock on a dedicated connection, kept alive by a heartbeat."""
+    """A session advisory lock on a dedicated connection (fleet/locks.py), kept alive by a
+    heartbeat."""
 
     def __init__(self, engine: Engine, name: str, lease_s: float) -> None:
         if lease_s <= 0:
             raise ValueError("the leader lease must be positive")
         self.name = name
         self.lease_s = lease_s
-        self._key = zlib.crc32(f"fleet.leader:{name}".encode())
-        # Its own engine, no pool: the lock lives and dies with exactly one connection.
-        self._engine = sa.create_engine(
-            engine.url, poolclass=sa.NullPool, isolation_level="AUTOCOMMIT", hide_parameters=True
-        )
-        self._conn: Connection | None = None
+        # Postgres ends the lock's session once it has been idle for the lease: the heartbeat
+        # keeps a live leader well inside it; a stopped one loses the lock.
+        self._lock = PostgresSessionLock(engine, f"fleet.leader:{name}", idle_timeout_s=lease_s)
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
     def is_leader(self) -> bool:
         with self._guard:
-            if self._conn is not None:
-                if self._still_held(self._conn):
+            if self._lock.connected:
+                if self._lock.held():
                     return True
                 log.warning(
                     "leader %s: lost the lock (its connection ended); stepping down", self.name
@@ -143,10 +123,7 @@ class PostgresLeadership:
     def release(self) -> None:
         self._stop.set()
         with self._guard:
-            if self._conn is not None:
-                with contextlib.suppress(sa.exc.DBAPIError):
-                    self._conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
-                self._drop()
+            self._lock.release()
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=self.lease_s)
 
@@ -154,72 +131,39 @@ class PostgresLeadership:
 
     def _try_acquire(self) -> bool:
         try:
-            conn = self._engine.connect()
-        except sa.exc.DBAPIError as exc:
-            log.warning("leader %s: cannot reach the database: %s", self.name, exc.orig)
-            return False
-        try:
-            # Postgres ends this session once it has been idle for the lease: the heartbeat
-            # keeps a live leader well inside it; a stopped one loses the lock.
-            lease_ms = max(int(self.lease_s * 1000), 1)
-            conn.execute(sa.text(f"SET idle_session_timeout = {lease_ms}"))
-            got = conn.execute(
-                sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self._key}
-            ).scalar()
+            got = self._lock.acquire()
         except sa.exc.DBAPIError as exc:
             log.warning("leader %s: lock attempt failed: %s", self.name, exc.orig)
-            with contextlib.suppress(Exception):
-                conn.close()
             return False
         if not got:
-            conn.close()
             return False
-        self._conn = conn
         log.info("leader %s: this process (%s) now leads", self.name, identity())
         self._start_heartbeat()
         return True
 
-    def _still_held(self, conn: Connection) -> bool:
-        try:
-            return bool(
-                conn.execute(
-                    sa.text(
-                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                        " AND pid = pg_backend_pid() AND objid = :low AND classid = :high"
-                    ),
-                    {"low": self._key & 0xFFFFFFFF, "high": self._key >> 32},
-                ).scalar()
-            )
-        except sa.exc.DBAPIError:
-            return False
-
     def _drop(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.invalidate()
-                conn.close()
+        self._stop.set()  # that connection's heartbeat ends with it
+        self._lock.drop()
 
     def _start_heartbeat(self) -> None:
-        """A fresh heartbeat per lock connection: one that outlives its connection ends itself
-        (it checks which connection it serves), so a quick re-acquire never goes unbeaten."""
-        assert self._conn is not None
+        """A fresh heartbeat per lock connection: the one before it was stopped when its
+        connection was dropped, so a quick re-acquire never goes unbeaten."""
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(
             target=self._beat,
-            args=(self._conn, self._stop),
+            args=(self._stop,),
             name=f"leader-heartbeat {self.name}",
             daemon=True,
         )
         self._heartbeat.start()
 
-    def _beat(self, conn: Connection, stop: threading.Event) -> None:
+    def _beat(self, stop: threading.Event) -> None:
         # Touch the lock connection three times per lease so that it is never idle that long.
         while not stop.wait(self.lease_s / 3):
             with self._guard:
-                if self._conn is not conn:
+                if stop.is_set():
                     return
-                if not self._still_held(conn):
+                if not self._lock.held():
                     log.warning("leader %s: heartbeat found the lock gone", self.name)
                     self._drop()
                     return

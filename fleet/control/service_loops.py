@@ -19,7 +19,7 @@ from fleet.control.loops import SingletonLoop
 from fleet.crypto import SecretBox
 from fleet.models import Event, utcnow
 from fleet.power.reconciler import reconcile_once
-from fleet.provisioning.workflows import provision_once
+from fleet.provisioning.tick import provision_once
 from fleet.settings import Settings
 
 

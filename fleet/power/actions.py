@@ -3,24 +3,25 @@
 Each action reads the BMC, acts only if needed, reads back, stores what it saw in the server's
 observed fields (never its lifecycle state: that is the state machine's) and records an Event
 with the outcome. One power action per server at a time, across service processes.
+
+`act_on` is the one power path: operator actions (`power`), `verify` and the provisioner's
+boots, cycles and returns (fleet/provisioning/tick.py) all go through it.
 """
 
 from __future__ import annotations
 
-import threading
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import lru_cache
-from typing import Literal
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from fleet import locks
 from fleet.bmc import BmcError, PowerDriver, driver_for
+from fleet.bmc.base import ACTIONS as ACTIONS  # re-exported: routes and the CLI name them here
+from fleet.bmc.base import Action as Action
 from fleet.bmc.base import ActionResult, BmcTarget
 from fleet.bmc.bulk import Job, Outcome, Stagger, run_bulk
 from fleet.bmc.targets import target_for
@@ -30,9 +31,6 @@ from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
 from fleet.models import Event, Pool, PowerState, Rack, Server, utcnow
 from fleet.settings import Settings
-
-Action = Literal["on", "off", "force_off", "cycle", "status"]
-ACTIONS: tuple[Action, ...] = ("on", "off", "force_off", "cycle", "status")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,63 +56,47 @@ class ServerBusy(ConflictError):
 # One action per server at a time
 
 
-_local_locks: dict[str, threading.Lock] = {}
-_local_guard = threading.Lock()
-
-
-@lru_cache(maxsize=4)
-def _lock_engine(url: str, size: int) -> Engine:
-    """Connections that only hold power locks, one per concurrent BMC call: a bulk action must
-    not take the service's own pool (API requests would queue behind slow BMCs), and AUTOCOMMIT
-    keeps them out of "idle in transaction" while a BMC takes its time."""
-    return sa.create_engine(
-        url,
-        pool_size=size,
-        max_overflow=0,
-        pool_pre_ping=True,
-        hide_parameters=True,
-        isolation_level="AUTOCOMMIT",
-    )
-
-
 @contextmanager
-def server_power_lock(engine: Engine, server: Server, pool_size: int = 32) -> Iterator[None]:
-    """Postgres: a session advisory lock, held for the action on a connection of its own
-    (other service processes see it). SQLite (one process): a lock per server name."""
-    if engine.dialect.name == "postgresql":
-        key = zlib.crc32(f"fleet.power:{server.name}".encode())
-        locks = _lock_engine(engine.url.render_as_string(hide_password=False), pool_size)
-        with locks.connect() as conn:
-            if not conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
-                raise ServerBusy(f"server {server.name}: another power action is in progress")
-            try:
-                yield
-            finally:
-                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-        return
-    with _local_guard:
-        lock = _local_locks.setdefault(server.name, threading.Lock())
-    if not lock.acquire(blocking=False):
-        raise ServerBusy(f"server {server.name}: another power action is in progress")
-    try:
+def server_power_lock(engine: Engine, server: Server, connections: int = 32) -> Iterator[None]:
+    """Held for one power action (or BMC read) on `server`, across service processes; a second
+    one is refused at once (ServerBusy), never queued. Postgres: a session advisory lock on a
+    connection of its own, from `connections` kept for these locks (fleet/locks.py)."""
+    busy = ServerBusy(f"server {server.name}: another power action is in progress")
+    with locks.try_lock(engine, f"fleet.power:{server.name}", busy, connections=connections):
         yield
-    finally:
-        lock.release()
 
 
 # ---------------------------------------------------------------------------------------------
+# The one power path: operator actions, verify and the provisioner all come through here
 
 
-def _act(driver: PowerDriver, action: Action) -> ActionResult | PowerState:
-    if action == "status":
-        return driver.power_state()
-    if action == "on":
-        return driver.power_on()
-    if action == "off":
-        return driver.power_off(force=False)
-    if action == "force_off":
-        return driver.power_off(force=True)
-    return driver.power_cycle()
+def act_on(
+    engine: Engine,
+    box: SecretBox,
+    settings: Settings,
+    server: Server,
+    action: Action,
+    actor: str,
+    *,
+    drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
+) -> ActionResult | PowerState:
+    """`action` on `server`'s BMC, its power lock held, then what the BMC said recorded: the
+    observed fields and one Event (`server.power`, or `server.power_failed` with the error,
+    which is raised again). ServerBusy (another action holds the server) records nothing:
+    nothing went out."""
+    try:
+        with (
+            server_power_lock(engine, server, settings.bmc_workers),
+            drivers(target_for(server, box, settings)) as driver,
+        ):
+            result = driver.act(action)
+    except ServerBusy:
+        raise
+    except Exception as exc:
+        _record(engine, server, action, None, exc, actor, settings.power_settle_s)
+        raise
+    _record(engine, server, action, result, None, actor, settings.power_settle_s)
+    return result
 
 
 def _record(
@@ -220,21 +202,9 @@ def power(
         )
 
     def job(server: Server) -> Callable[[], ActionResult | PowerState]:
-        def call() -> ActionResult | PowerState:
-            with (
-                server_power_lock(engine, server, settings.bmc_workers),
-                drivers(target_for(server, box, settings)) as driver,
-            ):
-                return _act(driver, action)
-
-        return call
+        return lambda: act_on(engine, box, settings, server, action, actor, drivers=drivers)
 
     def report(outcome: Outcome[ActionResult | PowerState]) -> PowerReport:
-        server = found[outcome.server][0]
-        if not isinstance(outcome.error, ServerBusy):
-            _record(
-                engine, server, action, outcome.value, outcome.error, actor, settings.power_settle_s
-            )
         value = outcome.value
         before = value.state_before if isinstance(value, ActionResult) else value
         after = value.state_after if isinstance(value, ActionResult) else value
@@ -291,16 +261,8 @@ def _verify_one(
     """
     if server.state != ServerState.ENROLLED:
         return VerifyReport(server.name, True, None, None, f"already {server.state}: nothing to do")
-    with (
-        server_power_lock(engine, server, settings.bmc_workers),
-        drivers(target_for(server, box, settings)) as driver,
-    ):
-        if server.pool == Pool.BASELINE:
-            result: ActionResult | PowerState = driver.power_on()
-        else:
-            result = driver.power_state()
-    action: Action = "on" if isinstance(result, ActionResult) else "status"
-    _record(engine, server, action, result, None, actor, settings.power_settle_s)
+    action: Action = "on" if server.pool == Pool.BASELINE else "status"
+    result = act_on(engine, box, settings, server, action, actor, drivers=drivers)
     state = result.state_after if isinstance(result, ActionResult) else result
     if server.pool == Pool.BASELINE:
         target, why = ServerState.BOOTING, "BMC verified; baseline server powered on"
@@ -347,8 +309,5 @@ def verify(
         if outcome.value is not None:
             reports.append(outcome.value)
             continue
-        server = found[outcome.server][0]
-        if not isinstance(outcome.error, ServerBusy):
-            _record(engine, server, "status", None, outcome.error, actor, settings.power_settle_s)
         reports.append(VerifyReport(outcome.server, False, None, None, str(outcome.error)))
     return reports

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from fleet.lifecycle.states import KNOWN_OFF, ServerState
-from fleet.models import PowerState
+from fleet.lifecycle.states import KNOWN_OFF, PowerState, ServerState
 
 
 class Due(StrEnum):

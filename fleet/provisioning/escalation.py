@@ -1,6 +1,6 @@
 """The escalation rule: what a drained, faulty server gets next — a power cycle or quarantine.
 
-PURE: plain data in, plain data out. The provisioner (fleet/provisioning/workflows.py) applies it
+PURE: plain data in, plain data out. The provisioner (fleet/provisioning/tick.py) applies it
 when a
 remediation drain is over, and the simulator (fleet/sim/faults.py) imports it, so both escalate
 the same way.

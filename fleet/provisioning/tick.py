@@ -1,10 +1,10 @@
-"""Warm-spare provisioning and self-healing: boot, load, serve, drain, remediate.
+"""The provisioner's tick: boot, load, serve, drain, remediate, one step per server state.
 
 Every workflow is a step the leader's tick (`provision_once`) takes from what the database says
 now, so a crashed process loses nothing: nothing lives only in a coroutine. Each step is one
 transaction through `fleet.lifecycle.transitions.transition` (compare-and-set, an Event each).
 
-- **scale out**: `boot_spares` picks warm spares (fleet/provisioning/placement.py) and moves them to
+- **scale out**: `boot_spares` (fleet/provisioning/boots.py) picks warm spares and moves them to
   `booting` under one placement lock, so the rack-headroom check and the commitment are atomic
   across processes. The tick powers them on (write-ahead: `power_on_sent_at` is committed
   before the BMC call, so a crash between the call and the write never sends a second
@@ -22,199 +22,39 @@ transaction through `fleet.lifecycle.transitions.transition` (compare-and-set, a
 - **bounds**: a deployment's disruption budget caps its servers draining or rebooting at once;
   if more than `breaker_share` of the servers turn unhealthy within `breaker_window_s`, the
   breaker opens and no automatic drain or cycle happens until an operator resumes; the
-  autopilot can be paused altogether; after a leader change, silence counts only after
-  `leader_grace_s`.
+  autopilot can be paused altogether (both in fleet/provisioning/autopilot.py); after a leader
+  change, silence counts only after `leader_grace_s`.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import zlib
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from fleet.bmc import BmcError, PowerDriver, driver_for
-from fleet.bmc.base import BmcTarget
-from fleet.bmc.targets import target_for
+from fleet.bmc.base import Action, ActionResult, BmcTarget
 from fleet.crypto import SecretBox
-from fleet.errors import ConflictError, FleetError, NotFoundError
-from fleet.inventory.servers import NO_PASSWORD
+from fleet.errors import ConflictError, FleetError
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
-from fleet.models import Autopilot, Deployment, Event, Pool, PowerState, Rack, Server, Site, utcnow
-from fleet.power.actions import ServerBusy, server_power_lock
-from fleet.power.racks import rack_views
+from fleet.models import Deployment, Pool, PowerState, Rack, Server, utcnow
+from fleet.power.actions import ServerBusy, act_on
 from fleet.provisioning import placement, quality_probe
+from fleet.provisioning.autopilot import check_breaker, get_autopilot
+from fleet.provisioning.boots import ACTIVE, boot_spares, placement_lock, rack_rooms, start_boot
 from fleet.provisioning.escalation import escalate
 from fleet.settings import Settings
 
-log = logging.getLogger(__name__)
-
 S = ServerState
 ACTOR = "provisioner"
-# Servers that hold (or are about to hold) a deployment's replicas.
-ACTIVE = frozenset({S.BOOTING, S.LOADING, S.SERVING})
 # Servers counted against a deployment's disruption budget.
 DISRUPTED = frozenset({S.DRAINING, S.DRAINED})
 REMEDIATION_ACTIONS = frozenset({"reboot", "hardware_inspection"})
-
-
-# ---------------------------------------------------------------------------------------------
-# The placement lock: the headroom check and the boot commitment, atomic across processes
-
-
-_local_placement = threading.Lock()
-_PLACEMENT_KEY = zlib.crc32(b"fleet.placement")
-
-
-@contextmanager
-def placement_lock(session: Session) -> Iterator[None]:
-    """Held for one placement transaction. Postgres: a transaction-level advisory lock (every
-    service process); SQLite: one process, a thread lock."""
-    if session.get_bind().dialect.name == "postgresql":
-        session.connection().execute(
-            sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PLACEMENT_KEY}
-        )
-        yield
-        return
-    with _local_placement:
-        yield
-
-
-# ---------------------------------------------------------------------------------------------
-# Booting spares
-
-
-@dataclass(frozen=True, slots=True)
-class BootResult:
-    deployment: str
-    booted: tuple[str, ...]
-    short: int
-    reasons: tuple[str, ...]
-
-
-def _spares(session: Session, deployment: Deployment) -> list[placement.Spare]:
-    rows = session.exec(
-        select(Server, Rack.name, Site.name)
-        .join(Rack, col(Rack.id) == Server.rack_id)
-        .join(Site, col(Site.id) == Rack.site_id)
-        .where(Server.state == S.WARM, Server.pool == Pool.WARM)
-        # No BMC password (dropped when its BMC moved): it could not be powered on.
-        .where(Server.bmc_password_encrypted != NO_PASSWORD)
-    )
-    return [
-        placement.Spare(
-            name=s.name,
-            site=site,
-            rack=rack,
-            gpu_model=s.gpu_model,
-            gpu_count=s.gpu_count,
-            standby_w=s.standby_w,
-            max_w=s.max_w,
-            models_cached=tuple(s.models_cached),
-            boot_to_ready_s=s.boot_to_ready_s,
-        )
-        for s, rack, site in rows
-    ]
-
-
-def _rooms(session: Session) -> dict[str, placement.RackRoom]:
-    return {
-        v.rack.name: placement.RackRoom(
-            rack=v.rack.name, site=v.site, headroom_w=v.power.headroom_w
-        )
-        for v in rack_views(session)
-    }
-
-
-def _running_per_rack(session: Session, deployment: Deployment) -> dict[str, int]:
-    rows = session.exec(
-        select(Rack.name, sa.func.count())
-        .select_from(Server)
-        .join(Rack, col(Rack.id) == Server.rack_id)
-        .where(Server.deployment_id == deployment.id, col(Server.state).in_(list(ACTIVE)))
-        .group_by(Rack.name)
-    )
-    return {rack: int(n) for rack, n in rows}
-
-
-def boot_spares(
-    engine: Engine, deployment_name: str, count: int, actor: str, *, raise_target: bool
-) -> BootResult:
-    """Pick `count` warm spares for the deployment and move them to `booting`, one atomic
-    placement each. `raise_target`: an operator asked for more capacity (the target grows by
-    what booted); the tick's own replacements leave the target as it is."""
-    if count < 1:
-        raise FleetError("count must be at least 1")
-    booted: list[str] = []
-    reasons: tuple[str, ...] = ()
-    for _ in range(count):
-        with Session(engine) as session, placement_lock(session):
-            deployment = _deployment(session, deployment_name)
-            want = placement.Want(
-                deployment=deployment.name,
-                model_uri=deployment.model_uri,
-                gpu_models=tuple(deployment.gpu_models),
-                gpus_per_replica=deployment.gpus_per_replica,
-                servers=1,
-                running_per_rack=_running_per_rack(session, deployment),
-            )
-            choice = placement.choose_spares(_spares(session, deployment), _rooms(session), want)
-            if not choice.chosen:
-                reasons = choice.reasons
-                session.rollback()
-                break
-            name = choice.chosen[0]
-            server = session.exec(select(Server).where(Server.name == name)).one()
-            _start_boot(
-                session,
-                server,
-                deployment,
-                "power_on",
-                actor,
-                f"scale out {deployment.name}: spare chosen by placement",
-            )
-            if raise_target:
-                deployment.target_servers += 1
-                session.add(deployment)
-            session.commit()
-            booted.append(name)
-    return BootResult(deployment_name, tuple(booted), count - len(booted), reasons)
-
-
-def _deployment(session: Session, name: str) -> Deployment:
-    deployment = session.exec(select(Deployment).where(Deployment.name == name)).first()
-    if deployment is None:
-        raise NotFoundError(f"no deployment named {name!r}")
-    return deployment
-
-
-def _start_boot(
-    session: Session,
-    server: Server,
-    deployment: Deployment | None,
-    kind: str,
-    actor: str,
-    reason: str,
-) -> None:
-    lifecycle.transition(session, server, S.BOOTING, actor, reason, commit=False)
-    now = utcnow()
-    server.boot_kind = kind
-    server.boot_started_at = now
-    server.power_on_sent_at = None
-    server.power_off_sent_at = None
-    server.failed_reason = None
-    server.drain_reason = None
-    if deployment is not None:
-        server.deployment_id = deployment.id
-    session.add(server)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,14 +85,17 @@ def provision_once(
         if autopilot.paused:
             report.paused = True
             return report
-        report.breaker_open = _check_breaker(session, settings, autopilot)
-    step = _Steps(engine, box, settings, drivers, report, leader_since)
-    step.ask_agent = ask_agent
-    step.run()
+        report.breaker_open = check_breaker(session, settings, autopilot, ACTOR)
+    tick = ProvisionTick(engine, box, settings, drivers, report, leader_since)
+    tick.ask_agent = ask_agent
+    tick.run()
     return report
 
 
-class _Steps:
+class ProvisionTick:
+    """One tick of the provisioner: what it acts with (database, BMC drivers, settings), when
+    it runs (`now`), what it did (`report`), and one step per server state."""
+
     def __init__(
         self,
         engine: Engine,
@@ -327,47 +170,19 @@ class _Steps:
     def _elapsed(self, since: datetime | None) -> float:
         return (self.now - since).total_seconds() if since is not None else 0.0
 
-    def _power(self, name: str, action: str) -> str | None:
-        """One BMC power action on `name` (its power lock held); None or the error."""
+    def _power(self, name: str, action: Action) -> str | None:
+        """One BMC power action on `name` through the one power path (fleet/power/actions.py:
+        its power lock, the observed fields, the event); None or the error."""
         with Session(self.engine) as session:
             server = self._load(session, name)
         try:
-            with (
-                server_power_lock(self.engine, server, self.settings.bmc_workers),
-                self.drivers(target_for(server, self.box, self.settings)) as driver,
-            ):
-                if action == "on":
-                    result = driver.power_on()
-                elif action == "off":
-                    result = driver.power_off(force=False)
-                elif action == "force_off":
-                    result = driver.power_off(force=True)
-                else:
-                    result = driver.power_cycle()
-        except ServerBusy:
-            raise
+            result = act_on(
+                self.engine, self.box, self.settings, server, action, ACTOR, drivers=self.drivers
+            )
         except BmcError as exc:
             return str(exc)
+        assert isinstance(result, ActionResult)  # an action, not a read
         self.report.power_actions.append(f"{name}: {action} (sent={result.sent})")
-        with Session(self.engine) as session:
-            row = self._load(session, name)
-            row.power_state, row.power_state_at = result.state_after, utcnow()
-            if result.sent:
-                row.power_settle_until = utcnow() + timedelta(seconds=self.settings.power_settle_s)
-            session.add(row)
-            session.add(
-                Event(
-                    at=utcnow(),
-                    subject_type="server",
-                    subject=name,
-                    actor=ACTOR,
-                    kind="server.power",
-                    message=f"power {action}: {'sent' if result.sent else 'nothing sent'}; "
-                    f"BMC reports {result.state_after.value}",
-                    details={"action": action, "sent": result.sent},
-                )
-            )
-            session.commit()
         return None
 
     # -- booting ---------------------------------------------------------------------------
@@ -382,7 +197,7 @@ class _Steps:
                 server.power_on_sent_at = self.now
                 session.add(server)
                 session.commit()
-                action = "cycle" if server.boot_kind == "cycle" else "on"
+                action: Action = "cycle" if server.boot_kind == "cycle" else "on"
                 try:
                     error = self._power(name, action)
                 except ServerBusy:
@@ -556,9 +371,7 @@ class _Steps:
                 deployment = (
                     session.get(Deployment, server.deployment_id) if server.deployment_id else None
                 )
-                _start_boot(
-                    session, server, deployment, "resume", ACTOR, "undrained: loading again"
-                )
+                start_boot(session, server, deployment, "resume", ACTOR, "undrained: loading again")
                 session.commit()
                 return
             if server.drain_reason != "remediation" or self.report.breaker_open:
@@ -581,7 +394,7 @@ class _Steps:
             deployment = (
                 session.get(Deployment, server.deployment_id) if server.deployment_id else None
             )
-            _start_boot(session, server, deployment, "cycle", ACTOR, remedy.why)
+            start_boot(session, server, deployment, "cycle", ACTOR, remedy.why)
             self.report.moves.append(f"{name} -> booting (power cycle)")
             session.commit()
 
@@ -710,7 +523,7 @@ class _Steps:
                 for s, rack in rows
                 if s.pool == Pool.WARM  # baseline servers stay on
             ]
-            chosen = placement.choose_release(serving, _rooms(session), deployment.name, extra)
+            chosen = placement.choose_release(serving, rack_rooms(session), deployment.name, extra)
             for name in chosen:
                 server = self._load(session, name)
                 if not self._budget_allows(session, server):
@@ -720,189 +533,3 @@ class _Steps:
                 self._move(session, server, S.DRAINING, f"scale in {deployment.name}")
                 session.add(server)
                 session.commit()
-
-
-# ---------------------------------------------------------------------------------------------
-# Autopilot: pause/resume and the breaker
-
-
-def get_autopilot(session: Session) -> Autopilot:
-    row = session.get(Autopilot, 1)
-    if row is None:
-        row = Autopilot(id=1)
-        session.add(row)
-        try:
-            session.commit()
-        except sa.exc.IntegrityError:
-            session.rollback()
-            row = session.get(Autopilot, 1)
-            assert row is not None
-    return row
-
-
-def set_paused(session: Session, paused: bool, actor: str, reason: str) -> Autopilot:
-    row = get_autopilot(session)
-    row.paused = paused
-    row.reason = reason
-    row.changed_by, row.changed_at = actor, utcnow()
-    if not paused:
-        row.breaker_open, row.breaker_reason = False, None  # a person resumes: breaker closes
-    session.add(row)
-    session.add(
-        Event(
-            at=utcnow(),
-            subject_type="service",
-            subject="autopilot",
-            actor=actor,
-            kind="autopilot.paused" if paused else "autopilot.resumed",
-            message=reason,
-        )
-    )
-    session.commit()
-    return row
-
-
-def _check_breaker(session: Session, settings: Settings, autopilot: Autopilot) -> bool:
-    if autopilot.breaker_open:
-        return True
-    total = session.exec(
-        select(sa.func.count()).select_from(Server).where(Server.state != S.RETIRED)
-    ).one()
-    if not total:
-        return False
-    since = utcnow() - timedelta(seconds=settings.breaker_window_s)
-    # A person who resumed has seen what was before: only what happens after counts.
-    if autopilot.changed_at is not None and autopilot.changed_at > since:
-        since = autopilot.changed_at
-    # Count servers, not events: a flapping server is one.
-    sick_servers = session.exec(
-        select(sa.func.count(sa.distinct(col(Event.subject)))).where(
-            Event.kind == "server.health",
-            col(Event.at) >= since,
-            col(Event.details)["verdict"].as_string() == "unhealthy",
-        )
-    ).one()
-    share = int(sick_servers) / int(total)
-    if share <= settings.breaker_share:
-        return False
-    autopilot.breaker_open = True
-    autopilot.breaker_reason = (
-        f"{sick_servers} of {total} servers ({share:.0%}) turned unhealthy within "
-        f"{settings.breaker_window_s:g} s (limit {settings.breaker_share:.0%}): automatic "
-        "remediation stopped; resume with `fleetctl autopilot resume`"
-    )
-    autopilot.breaker_at = utcnow()
-    session.add(autopilot)
-    session.add(
-        Event(
-            at=utcnow(),
-            subject_type="service",
-            subject="autopilot",
-            actor=ACTOR,
-            kind="autopilot.breaker_open",
-            message=autopilot.breaker_reason,
-        )
-    )
-    session.commit()
-    log.error("%s", autopilot.breaker_reason)
-    return True
-
-
-def servers_named(session: Session, names: Sequence[str]) -> list[Server]:
-    rows = list(session.exec(select(Server).where(col(Server.name).in_(list(names)))))
-    missing = sorted(set(names) - {r.name for r in rows})
-    if missing:
-        raise NotFoundError(f"no server named {', '.join(repr(n) for n in missing)}")
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# Operator views and moves
-
-
-def autopilot_view(row: Autopilot) -> dict[str, object]:
-    return {
-        "paused": row.paused,
-        "reason": row.reason,
-        "changed_by": row.changed_by,
-        "changed_at": row.changed_at,
-        "breaker_open": row.breaker_open,
-        "breaker_reason": row.breaker_reason,
-        "breaker_at": row.breaker_at,
-    }
-
-
-def warm_pool(session: Session) -> dict[str, object]:
-    """Warm spares per site and GPU model, each with the watts booting it would commit."""
-    rooms = _rooms(session)
-    rows = session.exec(
-        select(Server, Rack.name, Site.name)
-        .join(Rack, col(Rack.id) == Server.rack_id)
-        .join(Site, col(Site.id) == Rack.site_id)
-        .where(Server.state == S.WARM)
-        .order_by(col(Site.name), col(Server.gpu_model), col(Server.name))
-    )
-    groups: dict[tuple[str, str], list[dict[str, object]]] = {}
-    for server, rack, site in rows:
-        spare = placement.Spare(
-            name=server.name,
-            site=site,
-            rack=rack,
-            gpu_model=server.gpu_model,
-            gpu_count=server.gpu_count,
-            standby_w=server.standby_w,
-            max_w=server.max_w,
-        )
-        groups.setdefault((site, server.gpu_model), []).append(
-            {
-                "server": server.name,
-                "rack": rack,
-                "gpus": server.gpu_count,
-                "boot_cost_w": placement.extra_draw_w(spare),
-                "rack_headroom_w": round(rooms[rack].headroom_w, 1),
-                "fits": placement.fits(spare, rooms[rack]),
-                "boot_to_ready_s": server.boot_to_ready_s,
-                "models_cached": list(server.models_cached),
-            }
-        )
-    return {
-        "count": sum(len(v) for v in groups.values()),
-        "pools": [
-            {"site": site, "gpu_model": model, "count": len(spares), "spares": spares}
-            for (site, model), spares in groups.items()
-        ],
-    }
-
-
-def _view(server: Server) -> dict[str, object]:
-    return {"server": server.name, "state": server.state.value, "drain_reason": server.drain_reason}
-
-
-def operator_drain(session: Session, name: str, actor: str) -> dict[str, object]:
-    [server] = servers_named(session, [name])
-    if server.state != S.SERVING:
-        raise ConflictError(f"server {name} is {server.state.value}: only a serving server drains")
-    lifecycle.transition(session, server, S.DRAINING, actor, "drained by an operator", commit=False)
-    server.drain_reason, server.drain_started_at = "operator", utcnow()
-    session.add(server)
-    session.commit()
-    return _view(server)
-
-
-def operator_undrain(session: Session, name: str, actor: str) -> dict[str, object]:
-    [server] = servers_named(session, [name])
-    if server.state == S.DRAINING:
-        server.drain_reason = "resume"  # once drained, it loads again
-        session.add(server)
-        session.commit()
-        return _view(server)
-    if server.state != S.DRAINED or server.drain_reason not in ("operator", "resume", "probe"):
-        raise ConflictError(
-            f"server {name} is {server.state.value}"
-            + (f" ({server.drain_reason})" if server.drain_reason else "")
-            + ": undrain applies to a server an operator drained"
-        )
-    deployment = session.get(Deployment, server.deployment_id) if server.deployment_id else None
-    _start_boot(session, server, deployment, "resume", actor, "undrained by an operator")
-    session.commit()
-    return _view(server)

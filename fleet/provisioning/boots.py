@@ -1,0 +1,179 @@
+"""Booting warm spares: the placement lock, and the move of chosen spares to `booting`.
+
+`boot_spares` picks warm spares (fleet/provisioning/placement.py) and moves them to `booting`
+under one placement lock, so the rack-headroom check and the commitment are atomic across
+processes; the tick (fleet/provisioning/tick.py) then powers them on. An operator's
+`spares boot` and the tick's own replacements both come here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from fleet import locks
+from fleet.errors import FleetError, NotFoundError
+from fleet.inventory.servers import NO_PASSWORD
+from fleet.lifecycle import transitions as lifecycle
+from fleet.lifecycle.states import ServerState
+from fleet.models import Deployment, Pool, Rack, Server, Site, utcnow
+from fleet.power.racks import rack_views
+from fleet.provisioning import placement
+
+S = ServerState
+# Servers that hold (or are about to hold) a deployment's replicas.
+ACTIVE = frozenset({S.BOOTING, S.LOADING, S.SERVING})
+
+
+# ---------------------------------------------------------------------------------------------
+# The placement lock: the headroom check and the boot commitment, atomic across processes
+
+
+PLACEMENT_LOCK = "fleet.placement"
+
+
+@contextmanager
+def placement_lock(session: Session) -> Iterator[None]:
+    """Held for one placement transaction, across service processes (fleet/locks.py): on
+    Postgres until the transaction ends, so commit inside the block."""
+    with locks.transaction_lock(session, PLACEMENT_LOCK):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Booting spares
+
+
+@dataclass(frozen=True, slots=True)
+class BootResult:
+    deployment: str
+    booted: tuple[str, ...]
+    short: int
+    reasons: tuple[str, ...]
+
+
+def _spares(session: Session, deployment: Deployment) -> list[placement.Spare]:
+    rows = session.exec(
+        select(Server, Rack.name, Site.name)
+        .join(Rack, col(Rack.id) == Server.rack_id)
+        .join(Site, col(Site.id) == Rack.site_id)
+        .where(Server.state == S.WARM, Server.pool == Pool.WARM)
+        # No BMC password (dropped when its BMC moved): it could not be powered on.
+        .where(Server.bmc_password_encrypted != NO_PASSWORD)
+    )
+    return [
+        placement.Spare(
+            name=s.name,
+            site=site,
+            rack=rack,
+            gpu_model=s.gpu_model,
+            gpu_count=s.gpu_count,
+            standby_w=s.standby_w,
+            max_w=s.max_w,
+            models_cached=tuple(s.models_cached),
+            boot_to_ready_s=s.boot_to_ready_s,
+        )
+        for s, rack, site in rows
+    ]
+
+
+def rack_rooms(session: Session) -> dict[str, placement.RackRoom]:
+    """Every rack's power headroom, as placement weighs it."""
+    return {
+        v.rack.name: placement.RackRoom(
+            rack=v.rack.name, site=v.site, headroom_w=v.power.headroom_w
+        )
+        for v in rack_views(session)
+    }
+
+
+def _running_per_rack(session: Session, deployment: Deployment) -> dict[str, int]:
+    rows = session.exec(
+        select(Rack.name, sa.func.count())
+        .select_from(Server)
+        .join(Rack, col(Rack.id) == Server.rack_id)
+        .where(Server.deployment_id == deployment.id, col(Server.state).in_(list(ACTIVE)))
+        .group_by(Rack.name)
+    )
+    return {rack: int(n) for rack, n in rows}
+
+
+def boot_spares(
+    engine: Engine, deployment_name: str, count: int, actor: str, *, raise_target: bool
+) -> BootResult:
+    """Pick `count` warm spares for the deployment and move them to `booting`, one atomic
+    placement each. `raise_target`: an operator asked for more capacity (the target grows by
+    what booted); the tick's own replacements leave the target as it is."""
+    if count < 1:
+        raise FleetError("count must be at least 1")
+    booted: list[str] = []
+    reasons: tuple[str, ...] = ()
+    for _ in range(count):
+        with Session(engine) as session, placement_lock(session):
+            deployment = _deployment(session, deployment_name)
+            want = placement.Want(
+                deployment=deployment.name,
+                model_uri=deployment.model_uri,
+                gpu_models=tuple(deployment.gpu_models),
+                gpus_per_replica=deployment.gpus_per_replica,
+                servers=1,
+                running_per_rack=_running_per_rack(session, deployment),
+            )
+            choice = placement.choose_spares(
+                _spares(session, deployment), rack_rooms(session), want
+            )
+            if not choice.chosen:
+                reasons = choice.reasons
+                session.rollback()
+                break
+            name = choice.chosen[0]
+            server = session.exec(select(Server).where(Server.name == name)).one()
+            start_boot(
+                session,
+                server,
+                deployment,
+                "power_on",
+                actor,
+                f"scale out {deployment.name}: spare chosen by placement",
+            )
+            if raise_target:
+                deployment.target_servers += 1
+                session.add(deployment)
+            session.commit()
+            booted.append(name)
+    return BootResult(deployment_name, tuple(booted), count - len(booted), reasons)
+
+
+def _deployment(session: Session, name: str) -> Deployment:
+    deployment = session.exec(select(Deployment).where(Deployment.name == name)).first()
+    if deployment is None:
+        raise NotFoundError(f"no deployment named {name!r}")
+    return deployment
+
+
+def start_boot(
+    session: Session,
+    server: Server,
+    deployment: Deployment | None,
+    kind: str,
+    actor: str,
+    reason: str,
+) -> None:
+    """`server` → booting for `deployment` (None: no deployment yet), its boot bookkeeping
+    reset; `kind` says how the tick boots it ("power_on", "cycle" or "resume")."""
+    lifecycle.transition(session, server, S.BOOTING, actor, reason, commit=False)
+    now = utcnow()
+    server.boot_kind = kind
+    server.boot_started_at = now
+    server.power_on_sent_at = None
+    server.power_off_sent_at = None
+    server.failed_reason = None
+    server.drain_reason = None
+    if deployment is not None:
+        server.deployment_id = deployment.id
+    session.add(server)
