@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fleet_core.agent_defaults import DRAIN_DEADLINE_S
+
 Backend = Literal["nvml", "dcgm", "simulated"]
 
 
@@ -69,7 +71,7 @@ class AgentSettings(BaseSettings):
     engine_stop_grace_s: float = Field(default=30.0, gt=0)
     # Self-drain (an unhealthy verdict or the fleet's "drain"): in-flight requests get this long
     # to finish before the engines are stopped.
-    drain_deadline_s: float = Field(default=120.0, ge=0)
+    drain_deadline_s: float = Field(default=DRAIN_DEADLINE_S, ge=0)
 
     @model_validator(mode="after")
     def _tls_complete(self) -> AgentSettings:

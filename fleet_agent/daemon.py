@@ -13,13 +13,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import re
 import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, cast
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from pydantic import SecretStr, ValidationError
 
 from fleet_agent import AGENT_VERSION
 from fleet_agent.config import AgentSettings
@@ -27,6 +29,18 @@ from fleet_agent.engine.supervisor import EngineSupervisor
 from fleet_agent.fleet_client import FleetClient, FleetRefused, FleetUnreachable
 from fleet_core.fault_policy import Assessment, RepairAction, Verdict, assess
 from fleet_core.telemetry import GpuSample, GpuTelemetry, Snapshot, XidEvent
+from fleet_core.wire import (
+    MAX_REASONS,
+    Assignment,
+    GpuFound,
+    GpuHealth,
+    GpuStatus,
+    HealthReason,
+    Heartbeat,
+    Registration,
+    ReplicaStatus,
+    Reply,
+)
 
 log = logging.getLogger("fleet_agent.daemon")
 
@@ -84,7 +98,7 @@ class Agent:
         self.registered = False
         self.expected_gpus = settings.expected_gpus
         self.interval_s = settings.heartbeat_interval_s
-        self.assignment: dict[str, Any] = {"kind": "none"}
+        self.assignment = Assignment(kind="none")
         self.fleet_state: str | None = None
         self.last_contact: float | None = None
         self.last_error: str | None = None
@@ -173,14 +187,19 @@ class Agent:
         return dataclasses.replace(snapshot, xids=snapshot.xids + tuple(fresh))
 
     def _report(self) -> None:
-        if not self.registered:
-            reply = self.client.register(self.registration())
+        try:
+            report = self.heartbeat() if self.registered else self.registration()
+        except ValidationError as exc:
+            # A report the fleet would answer 422 to: refused here, saying why.
+            raise FleetRefused(f"report not valid: {_first_error(exc)}") from exc
+        if isinstance(report, Registration):
+            reply = self.client.register(report)
             self.counters.registrations += 1
             self.registered = True
             log.info("registered with the fleet as %s", self.settings.server)
         else:
             try:
-                reply = self.client.heartbeat(self.heartbeat())
+                reply = self.client.heartbeat(report)
             except FleetUnreachable:
                 self.registered = False  # register again once the fleet is back
                 raise
@@ -200,7 +219,7 @@ class Agent:
         if supervisor is None:
             return
         now = self.clock()
-        kind = self.assignment.get("kind", "none")
+        kind = self.assignment.kind
         unhealthy = self.assessment is not None and self.assessment.verdict is Verdict.UNHEALTHY
         drain = self.drain
         if drain is not None and drain.done and kind == "serve" and not unhealthy:
@@ -224,7 +243,8 @@ class Agent:
         snapshot = self.latest()
         gpus = sorted(g.index for g in snapshot.gpus if not g.lost) if snapshot else None
         try:
-            supervisor.apply(self.assignment, gpus=gpus or None)
+            # The supervisor reads the assignment as the fleet's JSON sent it.
+            supervisor.apply(self.assignment.model_dump(mode="json"), gpus=gpus or None)
         except ValueError as exc:
             with self._lock:
                 self.last_error = f"assignment: {exc}"
@@ -245,15 +265,18 @@ class Agent:
             drain.done = True
             log.info("drain done: engines stopped")
 
-    def _heard(self, reply: dict[str, Any]) -> None:
+    def _heard(self, reply: Reply) -> None:
+        """Take the fleet's answer; a field it lacks keeps the agent's current value."""
         with self._lock:
-            self.interval_s = float(reply.get("heartbeat_interval_s", self.interval_s))
-            self.expected_gpus = reply.get("expected_gpus", self.expected_gpus)
-            self.assignment = dict(reply.get("assignment") or {"kind": "none"})
-            self.fleet_state = reply.get("state")
+            if reply.heartbeat_interval_s is not None:
+                self.interval_s = reply.heartbeat_interval_s
+            if reply.expected_gpus is not None:
+                self.expected_gpus = reply.expected_gpus
+            self.assignment = reply.assignment
+            self.fleet_state = reply.state
             self.last_contact = self.clock()
             self.last_error = None
-        refused = list(reply.get("refused_urls") or [])
+        refused = list(reply.refused_urls)
         if refused != self._refused_urls:  # said once per change, not every heartbeat
             self._refused_urls = refused
             for problem in refused:
@@ -286,62 +309,58 @@ class Agent:
         with self._lock:
             return self.history[-1] if self.history else None
 
-    def registration(self) -> dict[str, Any]:
+    def registration(self) -> Registration:
         snapshot = self.latest()
         gpus = snapshot.gpus if snapshot else ()
-        return printable(
-            {
-                "server": self.settings.server,
-                "agent_version": AGENT_VERSION,
-                "agent_url": self.advertise_url,
-                "agent_api_key": self.api_key,
-                "telemetry": self.telemetry.name,
-                "driver_version": snapshot.driver_version if snapshot else None,
-                "gpus": [
-                    {
-                        "index": g.index,
-                        "uuid": g.uuid,
-                        "name": g.name,
-                        "memory_mib": g.memory_total_mib,
-                        "pci_bus_id": g.pci_bus_id,
-                    }
-                    for g in gpus
-                    if not g.lost
-                ],
-            }
+        return Registration(
+            server=self.settings.server,
+            agent_version=AGENT_VERSION,
+            agent_url=self.advertise_url,
+            agent_api_key=SecretStr(self.api_key),
+            telemetry=self.telemetry.name,
+            driver_version=snapshot.driver_version if snapshot else None,
+            gpus=[
+                GpuFound(
+                    index=g.index,
+                    uuid=g.uuid,
+                    name=g.name,
+                    memory_mib=g.memory_total_mib,
+                    pci_bus_id=g.pci_bus_id,
+                )
+                for g in gpus
+                if not g.lost
+            ],
         )
 
-    def heartbeat(self) -> dict[str, Any]:
+    def heartbeat(self) -> Heartbeat:
         snapshot = self.latest()
         with self._lock:
             assessment = self.assessment
-        verdict = assessment.verdict if assessment else Verdict.DEGRADED
-        return printable(
-            {
-                "server": self.settings.server,
-                "verdict": verdict.value,
-                "action": (assessment.action if assessment else RepairAction.NONE).value,
-                "reasons": [
-                    {
-                        "code": r.code,
-                        "gpu": r.gpu,
-                        "message": r.message[:500],
-                        "action": r.action.value,
-                        "verdict": r.verdict.value,
-                    }
-                    for r in (assessment.reasons if assessment else ())
-                ][:256],
-                "gpus": [_gpu_status(g, assessment) for g in (snapshot.gpus if snapshot else ())],
-                "snapshot_at": _iso(snapshot.at) if snapshot else None,
-                "draining": self.draining,
-                "ready": self.ready,
-                "replicas": [_replica_report(r) for r in self.replicas()],
-            }
+        reasons = assessment.reasons if assessment else ()
+        return Heartbeat(
+            server=self.settings.server,
+            verdict=assessment.verdict if assessment else Verdict.DEGRADED,
+            action=assessment.action if assessment else RepairAction.NONE,
+            reasons=[
+                HealthReason(
+                    code=r.code,
+                    gpu=r.gpu,
+                    message=r.message[:500],
+                    action=r.action,
+                    verdict=r.verdict,
+                )
+                for r in reasons[:MAX_REASONS]
+            ],
+            gpus=[_gpu_status(g, assessment) for g in (snapshot.gpus if snapshot else ())],
+            snapshot_at=datetime.fromtimestamp(snapshot.at, UTC) if snapshot else None,
+            draining=self.draining,
+            ready=self.ready,
+            replicas=[_replica_report(r) for r in self.replicas()],
         )
 
     @property
     def draining(self) -> bool:
-        return self.assignment.get("kind") == "drain" or self.drain is not None
+        return self.assignment.kind == "drain" or self.drain is not None
 
     def replicas(self) -> list[dict[str, Any]]:
         return self.supervisor.replica_stats() if self.supervisor is not None else []
@@ -355,7 +374,7 @@ class Agent:
             return False
         if self.draining:
             return False
-        if self.assignment.get("kind") == "serve" and self.supervisor is not None:
+        if self.assignment.kind == "serve" and self.supervisor is not None:
             return self.supervisor.ready
         return True
 
@@ -370,7 +389,7 @@ class Agent:
                 "telemetry": self.telemetry.name,
                 "registered": self.registered,
                 "fleet_state": self.fleet_state,
-                "assignment": self.assignment,
+                "assignment": self.assignment.model_dump(mode="json"),
                 "ready": self.ready,
                 "draining": self.draining,
                 "drain": _drain_view(self.drain),
@@ -434,8 +453,9 @@ _REPLICA_FIELDS = (
 )
 
 
-def _replica_report(stats: dict[str, Any]) -> dict[str, Any]:
-    return {key: stats.get(key) for key in _REPLICA_FIELDS}
+def _replica_report(stats: dict[str, Any]) -> ReplicaStatus:
+    """The supervisor's stats of one replica, as the report carries them (the rest stays local)."""
+    return ReplicaStatus.model_validate({key: stats.get(key) for key in _REPLICA_FIELDS})
 
 
 def _seen(event: XidEvent, known: tuple[XidEvent, ...]) -> bool:
@@ -447,53 +467,35 @@ def _seen(event: XidEvent, known: tuple[XidEvent, ...]) -> bool:
     )
 
 
-def _gpu_status(gpu: GpuSample, assessment: Assessment | None) -> dict[str, Any]:
-    health = "unknown"
+def _gpu_status(gpu: GpuSample, assessment: Assessment | None) -> GpuStatus:
+    health = GpuHealth.UNKNOWN
     if assessment is not None:
         verdicts = {r.verdict for r in assessment.reasons if r.gpu == gpu.index}
         health = (
-            "unhealthy"
+            GpuHealth.UNHEALTHY
             if gpu.lost or Verdict.UNHEALTHY in verdicts
-            else "degraded"
+            else GpuHealth.DEGRADED
             if Verdict.DEGRADED in verdicts
-            else "healthy"
+            else GpuHealth.HEALTHY
         )
-    return {
-        "index": gpu.index,
-        "uuid": gpu.uuid,
-        "health": health,
-        "lost": gpu.lost,
-        "temperature_c": gpu.temperature_c,
-        "memory_used_mib": gpu.memory_used_mib,
-        "memory_total_mib": gpu.memory_total_mib,
-        "utilization_pct": gpu.utilization_pct,
-        "power_w": gpu.power_w,
-    }
+    return GpuStatus(
+        index=gpu.index,
+        uuid=gpu.uuid,
+        health=health,
+        lost=gpu.lost,
+        temperature_c=gpu.temperature_c,
+        memory_used_mib=gpu.memory_used_mib,
+        memory_total_mib=gpu.memory_total_mib,
+        utilization_pct=gpu.utilization_pct,
+        power_w=gpu.power_w,
+    )
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}"
 
 
 def _iso(epoch: float) -> str:
-    from datetime import UTC, datetime
-
     return datetime.fromtimestamp(epoch, UTC).isoformat()
-
-
-# C0 (tab and newline included), DEL and C1: the fleet refuses them in every string it is sent
-# (fleet/api/edge.py), and a driver's Xid text or an engine's error can carry them.
-_T = TypeVar("_T")
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
-def printable(value: _T) -> _T:
-    """A report with every string's control characters replaced by spaces: one odd byte in a
-    reason must not get every heartbeat refused (and the server power cycled for silence)."""
-    return cast(_T, _printable(value))
-
-
-def _printable(value: object) -> object:
-    if isinstance(value, str):
-        return _CONTROL.sub(" ", value)
-    if isinstance(value, dict):
-        return {_printable(k): _printable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_printable(v) for v in value]
-    return value

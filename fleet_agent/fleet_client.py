@@ -1,12 +1,20 @@
-"""The agent's only door to the fleet: register and heartbeat over the REST API."""
+"""The agent's only door to the fleet: register and heartbeat over the REST API.
+
+Typed both ways with the core's wire models (fleet_core/wire.py): the service validates the
+same models, so a report this client sends is one the fleet can read.
+"""
 
 from __future__ import annotations
 
+import re
 import ssl
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import httpx
+from pydantic import ValidationError
+
+from fleet_core.wire import HEARTBEAT_PATH, REGISTER_PATH, Heartbeat, Registration, Reply
 
 
 class FleetUnreachable(RuntimeError):
@@ -37,18 +45,18 @@ class FleetClient:
             verify=verify,
         )
 
-    def register(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._post("/api/v1/agent/register", body)
+    def register(self, report: Registration) -> Reply:
+        return self._post(REGISTER_PATH, report.to_wire())
 
-    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._post("/api/v1/agent/heartbeat", body)
+    def heartbeat(self, report: Heartbeat) -> Reply:
+        return self._post(HEARTBEAT_PATH, report.to_wire())
 
     def close(self) -> None:
         self._client.close()
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any]) -> Reply:
         try:
-            response = self._client.post(path, json=body)
+            response = self._client.post(path, json=printable(body))
         except httpx.HTTPError as exc:
             raise FleetUnreachable(f"{path}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500:
@@ -59,5 +67,30 @@ class FleetClient:
             except ValueError:
                 detail = response.text
             raise FleetRefused(f"{path}: HTTP {response.status_code}: {detail}")
-        answer: dict[str, Any] = response.json()
-        return answer
+        try:
+            return Reply.model_validate_json(response.content)
+        except ValidationError as exc:
+            # Not the fleet's answer (a proxy's page?): like no answer, retried with backoff.
+            raise FleetUnreachable(f"{path}: an answer this agent cannot read: {exc}") from exc
+
+
+# C0 (tab and newline included), DEL and C1: the fleet refuses them in every string it is sent
+# (fleet/api/edge.py), and a driver's Xid text or an engine's error can carry them.
+_T = TypeVar("_T")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(value: _T) -> _T:
+    """A report with every string's control characters replaced by spaces: one odd byte in a
+    reason must not get every heartbeat refused (and the server power cycled for silence)."""
+    return cast(_T, _printable(value))
+
+
+def _printable(value: object) -> object:
+    if isinstance(value, str):
+        return _CONTROL.sub(" ", value)
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value

@@ -305,7 +305,7 @@ def build_app(agent: Agent) -> Starlette:
             return JSONResponse({"detail": str(exc)}, status_code=413)
         except ValueError as exc:
             return JSONResponse({"detail": f"bad probe: {exc}"}, status_code=422)
-        model = agent.assignment.get("deployment") or "model"
+        model = agent.assignment.deployment or "model"
         answers = []
         async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
             for replica in agent.replicas():

@@ -12,7 +12,7 @@ the KV-cache bytes of the scheduled requests' contexts, B_decode the decoding re
 the prompt tokens scheduled this iteration, BW the HBM bandwidth and F the dense TFLOPS at the
 serving precision (80 % of peak bandwidth and 60 % of peak FLOPS are reachable).
 
-Our own choices, each reproducing a figure of the notes (see tests/test_engine_cost_model.py):
+Our own choices, each reproducing a figure of the notes (see tests/unit/test_engine_cost_model.py):
 
 - W and P leave out the input embedding table: a decode step looks up one row of it, it does not
   stream it. With t_fix = 1.5 ms this puts Llama-3.1-70B FP8 batch 1 on one H200 at 50.7 tokens/s
@@ -37,33 +37,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-Precision = Literal["fp8", "bf16"]
-Interconnect = Literal["nvlink", "pcie"]
+# The GPU table lives in fleet_core.gpus (one table for inventory, cost model and telemetry);
+# re-exported here because callers name it through the cost model (cost_model.gpu_spec("H100")).
+from fleet_core.gpus import GPUS as GPUS
+from fleet_core.gpus import MIB as MIB
+from fleet_core.gpus import GpuSpec as GpuSpec
+from fleet_core.gpus import Interconnect as Interconnect
+from fleet_core.gpus import Precision as Precision
+from fleet_core.gpus import gpu_spec as gpu_spec
 
 GB = 1e9
-MIB = 2**20
 KIB = 2**10
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """One GPU model. Figures from docs/hardware.md, "GPUs" (NVIDIA datasheets; usable memory
-    as NVML reports it)."""
-
-    name: str
-    memory_spec_gb: float
-    memory_usable_bytes: int
-    hbm_bandwidth: float  # bytes/s
-    bf16_flops: float  # dense, FLOP/s
-    fp8_flops: float  # dense, FLOP/s
-    tdp_w: float
-    idle_w: tuple[float, float]  # observed idle draw range
-    interconnect: Interconnect
-
-    def flops(self, precision: Precision) -> float:
-        return self.fp8_flops if precision == "fp8" else self.bf16_flops
 
 
 @dataclass(frozen=True)
@@ -95,42 +80,6 @@ class ModelSpec:
             else self.kv_bytes_per_token_fp16
         )
 
-
-GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec(
-        name="H100 SXM",
-        memory_spec_gb=80,
-        memory_usable_bytes=81_559 * MIB,
-        hbm_bandwidth=3.35e12,
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
-        tdp_w=700,
-        idle_w=(67, 73),
-        interconnect="nvlink",
-    ),
-    "H200": GpuSpec(
-        name="H200",
-        memory_spec_gb=141,
-        memory_usable_bytes=143_771 * MIB,
-        hbm_bandwidth=4.8e12,
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
-        tdp_w=700,
-        idle_w=(73, 79),
-        interconnect="nvlink",
-    ),
-    "L40S": GpuSpec(
-        name="L40S",
-        memory_spec_gb=48,
-        memory_usable_bytes=46_068 * MIB,
-        hbm_bandwidth=0.864e12,
-        bf16_flops=362e12,
-        fp8_flops=733e12,
-        tdp_w=350,
-        idle_w=(22, 33),
-        interconnect="pcie",
-    ),
-}
 
 MODELS: dict[str, ModelSpec] = {
     "llama-3.1-8b": ModelSpec(
@@ -204,15 +153,6 @@ class EngineShape:
     @property
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token(self.precision)
-
-
-def gpu_spec(name: str) -> GpuSpec:
-    """ "H100", "h100-sxm", "H200", "L40S" (case-insensitive) → the GPU's spec."""
-    key = name.strip().upper().replace("-SXM", "").replace(" SXM", "")
-    try:
-        return GPUS[key]
-    except KeyError:
-        raise ValueError(f"unknown GPU model {name!r}; known: {', '.join(GPUS)}") from None
 
 
 def model_spec(name: str) -> ModelSpec:

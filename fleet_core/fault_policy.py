@@ -9,8 +9,8 @@ previous snapshot, so Xids are counted across the window's snapshots; an Xid bel
 when the snapshot that carried it does (snapshot time, not the event's own `at`: one clock for
 every rule, and a kernel-log event replayed late still counts from when the agent saw it).
 
-Verdicts: `healthy` < `degraded` < `unhealthy` (the same values as fleet.models.Verdict; the
-agent never imports the fleet service, so the enum is repeated here). Repair actions, by severity:
+Verdicts: `healthy` < `degraded` < `unhealthy` (the one `Verdict` type: the fleet's server rows
+and the agent's reports use it too). Repair actions, by severity:
 `none` < `restart_engine` < `reboot` < `hardware_inspection`. The assessment's verdict is the
 worst verdict of its reasons and its action the most severe action of its reasons; no reasons
 means healthy/none, and healthy always means no reasons (informational events such as Xid 63 or
@@ -119,7 +119,7 @@ __all__ = [
 
 
 class Verdict(StrEnum):
-    """The same values as fleet.models.Verdict (the agent does not import the fleet service)."""
+    """The agent's judgement of a server's GPUs: the policy's verdict, stored on the server."""
 
     HEALTHY = "healthy"
     DEGRADED = "degraded"

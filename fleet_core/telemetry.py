@@ -9,7 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntFlag
-from typing import Protocol
+from typing import Literal, Protocol, get_args
+
+# Faults the SIMULATED backend can be given (fleet_agent/telemetry/simulated.py says what each
+# does): the lab's fault file, `fleetctl lab fault` and the agent's /faults all name them so.
+FaultKind = Literal[
+    "xid",
+    "ecc_uncorrected",
+    "remap_pending",
+    "remap_failed",
+    "temperature_ramp",
+    "clock_events",
+    "gpu_lost",
+    "clear",
+]
+FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
 class ClockEvent(IntFlag):

@@ -16,23 +16,25 @@ registration and is stored encrypted (fleet.crypto.SecretBox), never shown.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from sqlmodel import Session, col, select
 
 from fleet.auth import Principal
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Event, Gpu, GpuHealth, Role, Server, Verdict, utcnow
+from fleet.models import Deployment, Event, Gpu, Role, Server, utcnow
+from fleet_core import wire
+from fleet_core.wire import Assignment, GpuFound, GpuHealth
 
-RepairAction = Literal["none", "restart_engine", "reboot", "hardware_inspection"]
-MAX_GPUS = 64
-MAX_REASONS = 256
+# The report models are the core's (fleet_core/wire.py), shared with the agent; the API's routes
+# name them through this module.
+from fleet_core.wire import Heartbeat as Heartbeat
+from fleet_core.wire import Registration as Registration
+
 Network = IPv4Network | IPv6Network
 
 
@@ -40,102 +42,13 @@ class Forbidden(FleetError):
     status_code = 403
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Reply(wire.Reply):
+    """The answer as the fleet gives it: every field present (the agent reads it leniently)."""
 
-
-class GpuFound(_Strict):
-    index: int = Field(ge=0, le=MAX_GPUS - 1)
-    uuid: str | None = Field(default=None, max_length=64)
-    name: str | None = Field(default=None, max_length=100)
-    memory_mib: int | None = Field(default=None, ge=0)
-    pci_bus_id: str | None = Field(default=None, max_length=32)
-
-
-class Registration(_Strict):
-    server: str = Field(max_length=63)
-    agent_version: str = Field(min_length=1, max_length=32)
-    agent_url: str | None = Field(default=None, max_length=255, pattern=r"^https?://\S+$")
-    # The key the agent's local API asks of /probe callers (fleet_agent/config.py api_key).
-    agent_api_key: SecretStr | None = Field(default=None, min_length=16, max_length=256)
-    telemetry: str = Field(max_length=32)
-    driver_version: str | None = Field(default=None, max_length=32)
-    gpus: list[GpuFound] = Field(default_factory=list, max_length=MAX_GPUS)
-
-
-class GpuStatus(_Strict):
-    index: int = Field(ge=0, le=MAX_GPUS - 1)
-    uuid: str | None = Field(default=None, max_length=64)
-    health: GpuHealth = GpuHealth.UNKNOWN
-    lost: bool = False
-    temperature_c: float | None = None
-    memory_used_mib: int | None = Field(default=None, ge=0)
-    memory_total_mib: int | None = Field(default=None, ge=0)
-    utilization_pct: float | None = Field(default=None, ge=0, le=100)
-    power_w: float | None = Field(default=None, ge=0)
-
-
-class HealthReason(_Strict):
-    code: str = Field(max_length=64)
-    gpu: int | None = Field(default=None, ge=0, le=MAX_GPUS - 1)
-    message: str = Field(max_length=500)
-    action: RepairAction
-    verdict: Verdict
-
-
-class ReplicaStatus(_Strict):
-    """One engine replica as the agent's supervisor sees it (fleet_agent/engine/supervisor.py)."""
-
-    index: int = Field(ge=0, le=MAX_GPUS - 1)
-    gpus: list[int] = Field(default_factory=list, max_length=MAX_GPUS)
-    port: int | None = Field(default=None, ge=1, le=65535)
-    url: str | None = Field(default=None, max_length=255, pattern=r"^https?://\S+$")
-    state: str = Field(max_length=32)
-    restarts: int = Field(default=0, ge=0)
-    load_seconds: float | None = Field(default=None, ge=0)
-    queued: int | None = Field(default=None, ge=0)
-    running: int | None = Field(default=None, ge=0)
-    kv_used_fraction: float | None = Field(default=None, ge=0, le=1)
-    cache_hit_rate: float | None = Field(default=None, ge=0, le=1)
-    tokens_per_s: float | None = Field(default=None, ge=0)
-    ttft_p50_s: float | None = Field(default=None, ge=0)
-    ttft_p95_s: float | None = Field(default=None, ge=0)
-    e2e_p50_s: float | None = Field(default=None, ge=0)
-    e2e_p95_s: float | None = Field(default=None, ge=0)
-
-
-class Heartbeat(_Strict):
-    server: str = Field(max_length=63)
-    verdict: Verdict
-    action: RepairAction = "none"
-    reasons: list[HealthReason] = Field(default_factory=list, max_length=MAX_REASONS)
-    gpus: list[GpuStatus] = Field(default_factory=list, max_length=MAX_GPUS)
-    snapshot_at: datetime | None = None
-    draining: bool = False
-    ready: bool | None = None  # the agent's /readyz: GPUs fine, not draining, replicas ready
-    replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=MAX_GPUS)
-
-
-class Assignment(BaseModel):
-    """What the server should run: nothing, a deployment's replicas, or drain."""
-
-    kind: Literal["none", "serve", "drain"]
-    deployment: str | None = None
-    model_uri: str | None = None
-    model_checksum: str | None = None
-    engine_params: dict[str, Any] = Field(default_factory=dict)
-    gpus_per_replica: int | None = None
-    replicas: int = 0
-
-
-class Reply(BaseModel):
     server: str
     state: ServerState
     heartbeat_interval_s: float
-    expected_gpus: int  # what the inventory says: the agent's policy flags a missing GPU
-    assignment: Assignment
-    # Replica URLs of this heartbeat that the fleet dropped (field: why); the agent logs them.
-    refused_urls: list[str] = Field(default_factory=list)
+    expected_gpus: int
 
 
 # States in which a server runs its deployment's engines (the assignment is sent when loading).

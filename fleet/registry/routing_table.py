@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from sqlmodel import Session, col, select
 
-from fleet.autoscaler.policy import RouterLoad
+from fleet.autoscaler.signals import RouterLoad
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Int, RouterReport, Server, utcnow
 from fleet.settings import Settings

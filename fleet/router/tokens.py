@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleet_agent.engine.core import count_tokens
+from fleet_core.tokens import count_tokens
 
 
 def _text(content: Any) -> str:

@@ -28,10 +28,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.autoscaler.policy import DeploymentState, PolicyConfig, Signals, aggregate
-from fleet.autoscaler.policy import RouterLoad as RouterLoad
+from fleet.autoscaler.signals import DeploymentState, PolicyConfig, Signals, aggregate
+from fleet.autoscaler.signals import RouterLoad as RouterLoad
 from fleet.settings import Settings
 from fleet.sim.calendar import Entry
+from fleet_core.stats import quantile
 
 STATS_WINDOW_S = 60.0  # fleet_agent/engine/supervisor.py stats_window_s: the p95s' window
 _DEFAULTS = Settings.model_fields
@@ -143,10 +144,8 @@ def p95(window: deque[tuple[float, float, float]], now: float) -> tuple[float | 
         window.popleft()
     if not window:
         return None, None
-    e2e = sorted(x[1] for x in window)
-    ttft = sorted(x[2] for x in window)
-    k = max(0, -(-95 * len(e2e) // 100) - 1)  # nearest rank, as core.percentile
-    return e2e[k], ttft[k]
+    # The production policy's p95s come from the router's quantile: the same rule here.
+    return quantile((x[1] for x in window), 0.95), quantile((x[2] for x in window), 0.95)
 
 
 def observe(

@@ -40,6 +40,7 @@ from datetime import UTC, datetime, timedelta
 
 from pydantic import Field
 
+from fleet.calendar.entry_spec import ScheduleEntryCreate, check_fits, checked_spec
 from fleet.calendar.plan import (
     Lead,
     Spec,
@@ -51,7 +52,6 @@ from fleet.calendar.plan import (
     raised_target,
 )
 from fleet.errors import FleetError
-from fleet.models import ScheduleEntryCreate
 from fleet.settings import Settings
 
 DEFAULT_START = datetime(2026, 12, 7, tzinfo=UTC)  # a Monday, 00:00 UTC
@@ -82,10 +82,6 @@ class Entry:
 def entries(deployment: str, models: Iterable[EntryModel], max_replicas: int) -> tuple[Entry, ...]:
     """Each entry checked as the API's create checks it; ValueError says which entry and what
     is wrong, in the API's words."""
-    # Here, not at the top: fleet.calendar.entries brings the calendar service and the database
-    # layer, which a simulation without a calendar does not need at start-up.
-    from fleet.calendar.entries import check_fits, checked_spec
-
     out: list[Entry] = []
     for i, model in enumerate(models):
         where = f"calendar[{i}]"

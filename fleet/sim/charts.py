@@ -19,7 +19,7 @@ One PNG per run, three panels on one time axis (minutes of simulated time):
    initial fleet goes to the warm pool too). With the replicas booting and draining, and the
    ticks short of spares (warm-pool exhaustion). A run without the autoscaler says so.
 
-The series functions take plain data and return plain lists (tests/test_sim_charts.py);
+The series functions take plain data and return plain lists (tests/unit/test_sim_charts.py);
 `render` draws them with matplotlib (Agg backend, imported only when drawing).
 """
 

@@ -45,7 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from fleet.autoscaler.policy import Signals, decide
+from fleet.autoscaler.policy import decide
+from fleet.autoscaler.signals import Signals
 from fleet.provisioning import placement
 from fleet.provisioning.escalation import escalate
 from fleet.router.admission import AdmissionQueue
@@ -873,7 +874,10 @@ class Simulation:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of sorted `values` (q in 0..100); NaN when empty."""
+    """Nearest-rank percentile of sorted `values` (q in 0..100); NaN when empty. The summary's
+    and the charts' rule only: what the simulated autoscaler sees is fleet_core.stats's
+    quantile, as in production (autoscale.p95). Switching this one too moves the p50 and p95
+    columns by one rank where q·n is whole (docs/sim.md)."""
     if not values:
         return math.nan
     k = max(0, min(len(values) - 1, math.ceil(q / 100 * len(values)) - 1))
@@ -912,7 +916,7 @@ def engine_kwh(gpu: str, engine: Engine, span_s: float) -> float:
     draw (midpoint of its range), per GPU of the engine: a simple per-GPU figure, not a power
     model. Booting is counted at the idle draw."""
     spec = cost_model.gpu_spec(gpu)
-    idle = sum(spec.idle_w) / 2
+    idle = spec.idle_mid_w
     busy = min(engine.busy_s, span_s)
     joules = engine.shape.gpus * (spec.tdp_w * busy + idle * (span_s - busy))
     return joules / 3.6e6

@@ -26,7 +26,7 @@ function of its arguments), and the KV read grows by the batch size per iteratio
 iterations lasts k·u + v·k(k-1)/2, computed in O(1) and inverted with a square root. The
 coefficients are taken from `cost_model.iteration_seconds` itself, never re-derived.
 `per_iteration=True` runs every iteration on its own through `iteration_seconds` (the
-reference; tests/test_sim.py checks that both modes agree).
+reference; tests/unit/test_sim.py checks that both modes agree).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from fleet.settings import Settings
-from fleet_agent.config import AgentSettings
+from fleet_core.agent_defaults import DRAIN_DEADLINE_S
 from fleet_core.fault_policy import Assessment, Thresholds, assess
 from fleet_core.telemetry import GpuSample, Snapshot, XidEvent
 
@@ -56,7 +56,7 @@ class FaultSpec:
     xids_per_gpu_hour: float = 0.0
     mix: tuple[tuple[int, float], ...] = DEFAULT_MIX
     restart_s: float = 30.0  # an engine restart: weights from page cache + engine start (assumed)
-    drain_deadline_s: float = float(AgentSettings.model_fields["drain_deadline_s"].default)
+    drain_deadline_s: float = DRAIN_DEADLINE_S  # the agent's default (fleet_agent/config.py)
     max_reboots: int = int(Settings.model_fields["max_reboots_same_fault"].default)
 
     def __post_init__(self) -> None:

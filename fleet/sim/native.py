@@ -4,7 +4,7 @@ A simulated request spends its time in six modules: the engine (fleet/sim/engine
 loop (fleet/sim/core.py) and the router's strategy, pool, estimates and admission queue that
 the loop imports (fleet/router/). mypyc compiles exactly those files, as they are and as mypy
 checks them, to C extensions; nothing is re-implemented, and the results are the same to the
-bit (tests/test_sim_native.py compares every request's times, compiled against pure Python).
+bit (tests/e2e/test_sim_native.py compares every request's times, compiled against pure Python).
 
 The build goes to a cache directory named by a key over the six sources, the Python and the
 mypy version (`FLEET_SIM_NATIVE_DIR`, else $XDG_CACHE_HOME/fleet/sim-native): an edited source

@@ -2,7 +2,7 @@
 
 `EngineCore.step()` does what one TensorRT-LLM executor iteration does and says how long it took
 according to the cost model (fleet_core/cost_model.py); it never sleeps and never reads the
-wall clock, so the stand-in server (fleet_agent/engine/standin.py) drives it in real time and a
+wall clock, so the stand-in server (fleet_agent/engine/standin/) drives it in real time and a
 discrete-event simulator can drive it in simulated time with the same code.
 
 What it models, following trtllm-serve's defaults:
@@ -36,7 +36,6 @@ What it models, following trtllm-serve's defaults:
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import time
 from collections import OrderedDict, deque
@@ -47,9 +46,12 @@ from typing import Any, Literal
 from fleet_core import cost_model
 from fleet_core.cost_model import EngineShape
 
+# The token rule is the core's (the router counts with it too); re-exported for the stand-in.
+from fleet_core.tokens import CHARS_PER_TOKEN
+from fleet_core.tokens import count_tokens as count_tokens
+
 FinishReason = Literal["stop", "length"]
 
-CHARS_PER_TOKEN = 4
 NATURAL_MIN_TOKENS = 16
 NATURAL_MAX_TOKENS = 1024
 
@@ -71,11 +73,6 @@ _WORDS = """the of and to in is that it for was on are as with his they at be th
     since white days ever paper hard near sentence better best across during today others sure
     means however leave behind system data model server power rack engine token cache"""
 VOCABULARY: tuple[str, ...] = tuple(_WORDS.split())
-
-
-def count_tokens(text: str) -> int:
-    """Prompt tokens of `text`: ceil(characters / 4), at least 1."""
-    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
 def _digest(*parts: str) -> bytes:

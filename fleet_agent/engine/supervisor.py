@@ -23,19 +23,9 @@ restarts then do not wait for the heartbeat interval). One poll probes every rep
 concurrently with http_timeout_s timeouts, so it takes about 3 × http_timeout_s at worst. State
 is guarded by one lock; HTTP runs outside it. `stop_all()` blocks (SIGTERM, then SIGKILL after
 the grace period, all replicas at once): for shutdown and the end of a drain.
-
-Stats: the supervisor is the ONLY reader of each engine's /metrics, which hands out the
-iteration stats queued since the previous read and forgets them (docs/source/commands/
-trtllm-serve/trtllm-serve.rst). The entries of the latest poll are kept raw (iteration_stats())
-and the newest one gives queued, running, KV used ÷ max blocks and the cache hit rate. An idle
-engine runs no iterations: with no new entries the Prometheus gauges
-(trtllm_num_requests_running / _waiting, trtllm_kv_cache_utilization) stand in, else
-running = queued = 0. TTFT and end-to-end latency p50/p95 come from the Prometheus histograms
-over the last stats_window_s (histogram_quantile() as Prometheus computes it, on the bucket
-deltas); tokens/s from the trtllm_generation_tokens_total delta, else from the iteration stats
-(generation requests per iteration). Caveat (openai_server.py on main): with
-return_perf_metrics the newest TensorRT-LLM also drains the iteration queue itself to feed
-Prometheus, so /metrics may then come back empty and the gauges carry the load figures.
+Stats (fleet_agent/engine/replica_stats.py): the supervisor is the ONLY reader of each engine's
+/metrics and /prometheus/metrics (fleet_agent/engine/engine_metrics.py parses the latter); every
+poll folds both into the replica's figures.
 """
 
 from __future__ import annotations
@@ -44,14 +34,12 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import socket
 import subprocess
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,9 +47,10 @@ from typing import Any, Literal
 
 import httpx
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from fleet_agent.engine.command import (
+from fleet_agent.engine.engine_metrics import PromSnapshot, parse_prometheus
+from fleet_agent.engine.replica_stats import ReplicaStats, update_stats
+from fleet_core.engine_command import (
     check_engine_params,
     cuda_visible_devices,
     extra_llm_api_options,
@@ -76,11 +65,6 @@ log = logging.getLogger("fleet_agent.engine")
 State = Literal[
     "starting", "loading", "ready", "unhealthy", "restarting", "failed", "stopping", "stopped"
 ]
-TTFT = "trtllm_time_to_first_token_seconds"
-E2E = "trtllm_e2e_request_latency_seconds"
-GENERATION_TOKENS = "trtllm_generation_tokens_total"
-RUNNING, WAITING = "trtllm_num_requests_running", "trtllm_num_requests_waiting"
-KV_UTILIZATION, KV_HIT_RATE = "trtllm_kv_cache_utilization", "trtllm_kv_cache_hit_rate"
 _LOG_MAX_BYTES = 64 * 1024 * 1024  # a crash-looping engine's log is rotated once past this
 _PROBE_WORKERS = 16
 
@@ -116,109 +100,7 @@ class SupervisorConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Prometheus text (pure)
-
-
-@dataclasses.dataclass(frozen=True)
-class PromSnapshot:
-    """One scrape of /prometheus/metrics, label sets summed (or kept, for gauges)."""
-
-    gauges: dict[str, list[float]]  # family -> one value per label set
-    counters: dict[str, float]  # sample name (…_total) -> sum over label sets
-    histograms: dict[str, dict[float, float]]  # family -> upper bound (le) -> cumulative count
-
-
-def parse_prometheus(text: str) -> PromSnapshot:
-    """Parse the text exposition format with prometheus_client's own parser."""
-    gauges: dict[str, list[float]] = {}
-    counters: dict[str, float] = {}
-    histograms: dict[str, dict[float, float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.type == "histogram":
-            buckets = histograms.setdefault(family.name, {})
-            for sample in family.samples:
-                if sample.name == family.name + "_bucket" and "le" in sample.labels:
-                    le = float(sample.labels["le"])  # "+Inf" -> inf
-                    buckets[le] = buckets.get(le, 0.0) + float(sample.value)
-        elif family.type == "counter":
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    counters[sample.name] = counters.get(sample.name, 0.0) + float(sample.value)
-        elif family.type in {"gauge", "untyped", "unknown"}:
-            values = gauges.setdefault(family.name, [])
-            values.extend(float(s.value) for s in family.samples if s.name == family.name)
-    return PromSnapshot(gauges, counters, histograms)
-
-
-def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
-    """The q-quantile of cumulative buckets {le: count}, interpolated linearly within the bucket
-    like PromQL's histogram_quantile (promql/quantile.go): None without observations or without
-    the +Inf bucket; a rank in the +Inf bucket gives the highest finite bound; the first bucket
-    starts at 0 (unless its bound is not positive)."""
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile {q} is outside [0, 1]")
-    items = sorted(buckets.items())
-    if len(items) < 2 or not math.isinf(items[-1][0]):
-        return None
-    counts: list[float] = []
-    for _, count in items:  # counts must not decrease (Prometheus repairs small dips too)
-        counts.append(max(count, counts[-1]) if counts else count)
-    total = counts[-1]
-    if total <= 0:
-        return None
-    rank = q * total
-    b = next((i for i in range(len(items) - 1) if counts[i] >= rank), len(items) - 1)
-    if b == len(items) - 1:
-        return items[-2][0]
-    if b == 0 and items[0][0] <= 0:
-        return items[0][0]
-    start = 0.0 if b == 0 else items[b - 1][0]
-    below = 0.0 if b == 0 else counts[b - 1]
-    in_bucket = counts[b] - below
-    if in_bucket <= 0:
-        return start
-    return start + (items[b][0] - start) * ((rank - below) / in_bucket)
-
-
-def bucket_delta(
-    now: Mapping[float, float], before: Mapping[float, float] | None
-) -> dict[float, float]:
-    """Observations between two scrapes of one histogram (all of `now` without a `before`)."""
-    if before is None:
-        return dict(now)
-    return {le: count - before.get(le, 0.0) for le, count in now.items()}
-
-
-def _is_reset(now: PromSnapshot, before: PromSnapshot) -> bool:
-    """A counter or bucket went down: the engine's registry started over."""
-    if any(now.counters.get(name, value) < value for name, value in before.counters.items()):
-        return True
-    for family, buckets in before.histograms.items():
-        current = now.histograms.get(family, {})
-        if any(current.get(le, count) < count for le, count in buckets.items()):
-            return True
-    return False
-
-
-# ---------------------------------------------------------------------------------------------
 # per-replica bookkeeping
-
-
-@dataclasses.dataclass
-class _Stats:
-    entries: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # since last poll
-    queued: int | None = None
-    running: int | None = None
-    kv_used_fraction: float | None = None
-    cache_hit_rate: float | None = None
-    tokens_per_s: float | None = None
-    ttft_p50_s: float | None = None
-    ttft_p95_s: float | None = None
-    e2e_p50_s: float | None = None
-    e2e_p95_s: float | None = None
-    # (time, scrape) history for the windowed deltas; (time, generated tokens) per poll.
-    scrapes: deque[tuple[float, PromSnapshot]] = dataclasses.field(default_factory=deque)
-    iter_tokens: deque[tuple[float, float]] = dataclasses.field(default_factory=deque)
 
 
 @dataclasses.dataclass(eq=False)
@@ -239,7 +121,7 @@ class _Replica:
     crashes: int = 0  # consecutive
     load_seconds: float | None = None
     last_error: str | None = None
-    stats: _Stats = dataclasses.field(default_factory=_Stats)
+    stats: ReplicaStats = dataclasses.field(default_factory=ReplicaStats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,7 +405,7 @@ class EngineSupervisor:
         cfg = self.config
         if r.state == "restarting":
             r.restarts += 1
-        r.stats = _Stats()
+        r.stats = ReplicaStats()
         if not _port_free(cfg.host, r.port):
             self._crashed(r, now, f"port {r.port} on {cfg.host} is in use by another process")
             return
@@ -561,7 +443,7 @@ class EngineSupervisor:
         r.proc = None
         r.crashes += 1
         r.last_error = error[:1000]
-        r.stats = _Stats()
+        r.stats = ReplicaStats()
         r.ready_since = r.unhealthy_since = None
         if r.crashes >= cfg.max_consecutive_crashes:
             r.state = "failed"
@@ -629,7 +511,7 @@ class EngineSupervisor:
             r.crashes = 0
         if probe.error:
             log.debug("replica %d: %s", r.index, probe.error)
-        _update_stats(r.stats, probe, cfg.stats_window_s)
+        update_stats(r.stats, probe.at, probe.entries, probe.prom, cfg.stats_window_s)
 
     # -----------------------------------------------------------------------------------------
     # stopping
@@ -707,109 +589,10 @@ class EngineSupervisor:
         self.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# stats (pure but for the Replica's own history)
-
-
-def _update_stats(s: _Stats, probe: _Probe, window_s: float) -> None:
-    entries = probe.entries or []
-    s.entries = entries
-    latest = max(entries, key=lambda e: _num(e.get("iter")) or 0.0) if entries else None
-    prom = probe.prom
-    if latest is not None:
-        s.running = _int(latest.get("numActiveRequests"))
-        s.queued = _int(latest.get("numQueuedRequests"))
-        kv = latest.get("kvCacheStats")
-        if isinstance(kv, Mapping):
-            used, total = _num(kv.get("usedNumBlocks")), _num(kv.get("maxNumBlocks"))
-            if used is not None and total:
-                s.kv_used_fraction = used / total
-            s.cache_hit_rate = _hit_rate(kv)
-    elif prom is not None and (RUNNING in prom.gauges or WAITING in prom.gauges):
-        s.running = int(sum(prom.gauges.get(RUNNING, [])))
-        s.queued = int(sum(prom.gauges.get(WAITING, [])))
-    else:
-        s.running = s.queued = 0  # an idle engine runs no iterations, so reports none
-    if latest is None and prom is not None:
-        if prom.gauges.get(KV_UTILIZATION):
-            s.kv_used_fraction = max(prom.gauges[KV_UTILIZATION])
-        if prom.gauges.get(KV_HIT_RATE):
-            s.cache_hit_rate = max(prom.gauges[KV_HIT_RATE])
-
-    # Iteration stats: each generation request decodes one token per iteration.
-    tokens = 0.0
-    for entry in entries:
-        batching = entry.get("inflightBatchingStats")
-        if isinstance(batching, Mapping):
-            tokens += _num(batching.get("numGenRequests")) or 0.0
-    s.iter_tokens.append((probe.at, tokens))
-    _trim(s.iter_tokens, probe.at, window_s)
-    iter_rate = None
-    if len(s.iter_tokens) >= 2 and probe.at > s.iter_tokens[0][0]:
-        generated = sum(n for _, n in list(s.iter_tokens)[1:])
-        iter_rate = generated / (probe.at - s.iter_tokens[0][0])
-
-    prom_rate = None
-    if prom is not None:
-        # Only what the windows need is kept (a full scrape is ~60 families per replica).
-        kept = PromSnapshot(
-            {},
-            {k: v for k, v in prom.counters.items() if k == GENERATION_TOKENS},
-            {k: v for k, v in prom.histograms.items() if k in {TTFT, E2E}},
-        )
-        if s.scrapes and _is_reset(kept, s.scrapes[-1][1]):
-            s.scrapes.clear()
-        s.scrapes.append((probe.at, kept))
-        _trim(s.scrapes, probe.at, window_s)
-        base_at, base = s.scrapes[0] if len(s.scrapes) >= 2 else (None, None)
-        if base is not None and base_at is not None and GENERATION_TOKENS in prom.counters:
-            before = base.counters.get(GENERATION_TOKENS)
-            if before is not None and probe.at > base_at:
-                prom_rate = (prom.counters[GENERATION_TOKENS] - before) / (probe.at - base_at)
-        for family, fields in (
-            (TTFT, ("ttft_p50_s", "ttft_p95_s")),
-            (E2E, ("e2e_p50_s", "e2e_p95_s")),
-        ):
-            buckets = prom.histograms.get(family)
-            window = None
-            if buckets is not None:
-                window = bucket_delta(buckets, base.histograms.get(family) if base else None)
-            for q, field in zip((0.5, 0.95), fields, strict=True):
-                setattr(s, field, histogram_quantile(q, window) if window else None)
-    s.tokens_per_s = prom_rate if prom_rate is not None else iter_rate
-
-
 def _identity(assignment: Mapping[str, Any], layout: Any) -> str:
     return json.dumps(
         {"assignment": dict(assignment), "layout": layout}, sort_keys=True, default=repr
     )
-
-
-def _trim(history: deque[Any], now: float, window_s: float) -> None:
-    """Keep one entry at or before the window's start (the baseline) and all after it."""
-    while len(history) >= 2 and history[1][0] <= now - window_s:
-        history.popleft()
-
-
-def _hit_rate(kv: Mapping[str, Any]) -> float | None:
-    rate = _num(kv.get("cacheHitRate"))
-    if rate is not None:
-        return rate
-    reused, missed = _num(kv.get("reusedBlocks")), _num(kv.get("missedBlocks"))
-    if reused is None or missed is None or reused + missed <= 0:
-        return None
-    return reused / (reused + missed)
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _int(value: Any) -> int | None:
-    number = _num(value)
-    return None if number is None else int(number)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,23 +37,19 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
-from fleet_core.telemetry import ClockEvent, GpuSample, Snapshot, XidEvent
+from fleet_core.gpus import GPUS
+from fleet_core.telemetry import (
+    FAULT_KINDS,
+    ClockEvent,
+    FaultKind,
+    GpuSample,
+    Snapshot,
+    XidEvent,
+)
 
 log = logging.getLogger(__name__)
-
-FaultKind = Literal[
-    "xid",
-    "ecc_uncorrected",
-    "remap_pending",
-    "remap_failed",
-    "temperature_ramp",
-    "clock_events",
-    "gpu_lost",
-    "clear",
-]
-FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 # Every bit NVML defines; a fault may only set these.
 _CLOCK_EVENT_MASK = sum(bit.value for bit in ClockEvent)
@@ -83,39 +79,55 @@ class GpuModel:
     max_operating_temp_c: float
 
 
-# Memory, TDP and idle power: docs/hardware.md ("GPUs" table). Temperatures and
-# thresholds are typical values, an assumption (no published per-model table): idle 30-35 °C,
-# ~72 °C at full load on a well-cooled server, slowdown 87 / shutdown 92 / max operating 85 °C.
-MODELS: dict[str, GpuModel] = {
-    "H100": GpuModel(
-        name="NVIDIA H100 80GB HBM3",
-        memory_total_mib=81_559,
-        tdp_w=700.0,
-        idle_w=(67.0, 73.0),
+def _documented(
+    model: str,
+    *,
+    name: str,
+    full_load_temp_c: float,
+    slowdown_temp_c: float,
+    shutdown_temp_c: float,
+    max_operating_temp_c: float,
+) -> GpuModel:
+    """A model of fleet_core.gpus's table: memory, TDP and idle range from there (documented
+    figures, docs/hardware.md "GPUs"), temperatures as given (assumptions, see MODELS)."""
+    spec = GPUS[model]
+    return GpuModel(
+        name=name,
+        memory_total_mib=spec.memory_mib,
+        tdp_w=spec.tdp_w,
+        idle_w=spec.idle_w,
         idle_temp_c=(30.0, 35.0),
+        full_load_temp_c=full_load_temp_c,
+        slowdown_temp_c=slowdown_temp_c,
+        shutdown_temp_c=shutdown_temp_c,
+        max_operating_temp_c=max_operating_temp_c,
+    )
+
+
+# Memory, TDP and idle power: fleet_core.gpus (docs/hardware.md, "GPUs" table). Temperatures
+# and thresholds are typical values, an assumption (no published per-model table): idle 30-35
+# °C, ~72 °C at full load on a well-cooled server, slowdown 87 / shutdown 92 / max operating 85 °C.
+MODELS: dict[str, GpuModel] = {
+    "H100": _documented(
+        "H100",
+        name="NVIDIA H100 80GB HBM3",
         full_load_temp_c=72.0,
         slowdown_temp_c=87.0,
         shutdown_temp_c=92.0,
         max_operating_temp_c=85.0,
     ),
-    "H200": GpuModel(
+    "H200": _documented(
+        "H200",
         name="NVIDIA H200",
-        memory_total_mib=143_771,
-        tdp_w=700.0,
-        idle_w=(73.0, 79.0),
-        idle_temp_c=(30.0, 35.0),
         full_load_temp_c=73.0,
         slowdown_temp_c=87.0,
         shutdown_temp_c=92.0,
         max_operating_temp_c=85.0,
     ),
     # L40S thresholds are an assumption (passively cooled PCIe card, trips a little higher).
-    "L40S": GpuModel(
+    "L40S": _documented(
+        "L40S",
         name="NVIDIA L40S",
-        memory_total_mib=46_068,
-        tdp_w=350.0,
-        idle_w=(22.0, 33.0),
-        idle_temp_c=(30.0, 35.0),
         full_load_temp_c=75.0,
         slowdown_temp_c=92.0,
         shutdown_temp_c=95.0,

@@ -1,5 +1,8 @@
 """The `trtllm-serve` command line for one replica of a deployment (pure: data in, data out).
 
+In the core because both sides check a deployment's `engine_params` with it: the fleet when a
+deployment is written (fleet/models.py), the agent's supervisor before it starts an engine.
+
 Sources read (NVIDIA/TensorRT-LLM on GitHub):
 
 - `tensorrt_llm/commands/serve.py`, the click options of `trtllm-serve serve`, at commit

@@ -1,0 +1,32 @@
+"""A STAND-IN for TensorRT-LLM's `trtllm-serve`, for hosts without GPUs (CI, the demo, the
+virtual colo). It is not an inference engine: it computes nothing, it only behaves like one.
+
+    python -m fleet_agent.engine.standin <model> [trtllm-serve flags]
+
+It takes trtllm-serve's command line (the flags the agent's EngineSupervisor passes are honoured,
+the other documented ones accepted and ignored, unknown ones refused with exit status 2), speaks
+trtllm-serve's HTTP API (OpenAI completions and chat completions, plain and SSE, /health,
+/health_generate, /version, /v1/models, /metrics iteration stats, /prometheus/metrics), and times
+every token with the continuous-batching simulation of fleet_agent/engine/core.py, whose iteration
+durations come from the cost model of fleet_core/cost_model.py for the GPU it pretends to run
+on. docs/engine.md says what it models and how faithfully.
+
+Lifecycle, as trtllm-serve: the port is bound at once but listens only once the weights are
+"loaded" (connections are refused meanwhile); then /health answers 200. On SIGTERM or SIGINT it
+answers 503 to /health and to new generations, lets the requests in flight finish (at most
+FLEET_STANDIN_DRAIN_S wall seconds), then exits 0.
+
+Environment (stand-in only):
+  FLEET_STANDIN_GPU        H100 | H200 | L40S (default H100)
+  FLEET_STANDIN_MODEL      llama-3.1-8b | llama-3.1-70b (default: "70b" in <model> → 70B, else 8B)
+  FLEET_STANDIN_PRECISION  fp8 (default) | bf16
+  FLEET_STANDIN_LOAD_S     load delay in simulated seconds (default weights ÷ 7 GB/s)
+  FLEET_STANDIN_SEED       seed of the generated text and lengths (default 0)
+  FLEET_STANDIN_SPEEDUP    divides every simulated duration, load included (default 1.0)
+  FLEET_STANDIN_DRAIN_S    wall-clock bound on the drain after SIGTERM (default 30)
+
+The package: settings.py (the command line, the YAML and FLEET_STANDIN_* → Settings),
+openai_schemas.py (the OpenAI request bodies and error shape), prometheus_metrics.py
+(trtllm-serve's `trtllm_*` Prometheus metrics), server.py (the HTTP server, the engine loop,
+the lifecycle and main()); __main__.py runs main().
+"""

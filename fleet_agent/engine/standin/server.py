@@ -1,0 +1,491 @@
+"""The stand-in's HTTP server: trtllm-serve's API over the simulated engine (EngineCore, in
+simulated time), its engine loop, its lifecycle (bound at once, listening once "loaded", a
+bounded drain on SIGTERM) and main()."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import uvicorn
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from fleet_agent.engine.core import (
+    EngineCore,
+    Finished,
+    GenerationRequest,
+    IterationResult,
+    RequestRejected,
+    TokenOut,
+    count_tokens,
+)
+from fleet_agent.engine.standin.openai_schemas import (
+    ChatBody,
+    CompletionBody,
+    SamplingBody,
+    error_response,
+    validation_message,
+)
+from fleet_agent.engine.standin.prometheus_metrics import PromMetrics
+from fleet_agent.engine.standin.settings import ConfigError, Settings, build_parser, build_settings
+from fleet_core import cost_model
+
+STANDIN_VERSION = "0.1.0"
+STATS_BUFFER = 1000  # iteration stats kept for /metrics between reads
+log = logging.getLogger("standin")
+
+
+class _Channel:
+    """Tokens of one request, from the engine loop to its HTTP handler."""
+
+    __slots__ = ("event", "finished", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[TokenOut] = []
+        self.finished: Finished | None = None
+        self.event = asyncio.Event()
+
+    async def next_batch(self) -> tuple[list[TokenOut], Finished | None]:
+        while not self.tokens and self.finished is None:
+            self.event.clear()
+            await self.event.wait()
+        batch, self.tokens = self.tokens, []
+        return batch, self.finished
+
+
+class StandinServer:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.speedup = settings.speedup
+        # Simulated time: wall time since start × speedup, so that every latency the engine
+        # reports is what the modelled GPU would show.
+        self._epoch0 = time.time()
+        self._mono0 = time.monotonic()
+        self.core = EngineCore(settings.core, clock=self.sim_now)
+        self.stats: deque[dict[str, Any]] = deque(maxlen=STATS_BUFFER)
+        self.prom = PromMetrics()
+        self.ready = False
+        self.draining = False
+        self.inflight = 0
+        self._channels: dict[str, _Channel] = {}
+        self._wake = asyncio.Event()
+        self._init_gauges()
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/health_generate", self.health_generate, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/prometheus/metrics", self.prometheus, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ]
+        )
+
+    def sim_now(self) -> float:
+        return self._epoch0 + (time.monotonic() - self._mono0) * self.speedup
+
+    def _init_gauges(self) -> None:
+        lv = self.prom.labels
+        shape = self.settings.core.shape
+        self.prom.kv_max.labels(**lv).set(self.core.max_blocks)
+        self.prom.kv_tpb.labels(**lv).set(shape.tokens_per_block)
+        self.prom.gpu_mem.labels(**lv).set(cost_model.gpu_memory_used_bytes(shape))
+        self.prom.max_active.labels(**lv).set(shape.max_batch_size)
+
+    # --- engine loop ----------------------------------------------------------------------
+
+    async def engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        while True:
+            if not self.core.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = loop.time()
+            result = self.core.step()
+            # Chain deadlines so that sleep overshoot does not accumulate, but never run more
+            # than 50 ms of iterations back to back to catch up after a stall.
+            deadline = max(deadline, loop.time() - 0.05) + result.duration_s / self.speedup
+            delay = deadline - loop.time()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            self._deliver(result)
+
+    def _deliver(self, result: IterationResult) -> None:
+        self.stats.append(result.stats)
+        self.prom.iteration(result.stats)
+        channels = self._channels
+        for tok in result.tokens:
+            ch = channels.get(tok.request_id)
+            if ch is not None:
+                ch.tokens.append(tok)
+                ch.event.set()
+        for f in result.finished:
+            self.prom.finished(f)
+            ch = channels.get(f.request_id)
+            if ch is not None:
+                ch.finished = f
+                ch.event.set()
+
+    def _submit(self, spec: GenerationRequest) -> _Channel:
+        self.core.add_request(spec)  # RequestRejected → 400 by the caller
+        ch = _Channel()
+        self._channels[spec.request_id] = ch
+        self._wake.set()
+        return ch
+
+    def _release(self, request_id: str, ch: _Channel) -> None:
+        if ch.finished is None:
+            self.core.abort(request_id)  # the client left: free its KV blocks
+        self._channels.pop(request_id, None)
+
+    # --- plain endpoints --------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.ready and not self.draining:
+            return Response(status_code=200)
+        return Response("LLM is unavailable (stand-in draining).", status_code=503)
+
+    async def health_generate(self, request: Request) -> Response:
+        if not self.ready or self.draining:
+            return Response("Generation health check failed: draining", status_code=503)
+        request_id = f"health-{uuid.uuid4().hex}"
+        self.inflight += 1
+        ch: _Channel | None = None
+        try:
+            ch = self._submit(
+                GenerationRequest(request_id, "<|user|>\nhi\n<|assistant|>\n", max_tokens=1)
+            )
+            finished: Finished | None = None
+            while finished is None:
+                _, finished = await ch.next_batch()
+            return Response("Generation health check OK", status_code=200)
+        except RequestRejected as exc:
+            return Response(f"Generation health check failed: {exc}", status_code=500)
+        finally:
+            if ch is not None:
+                self._release(request_id, ch)
+            self.inflight -= 1
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": f"stand-in {STANDIN_VERSION}"})
+
+    async def models(self, request: Request) -> Response:
+        card = {
+            "id": self.settings.served_model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "tensorrt_llm",
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics(self, request: Request) -> Response:
+        # Like trtllm-serve: iteration stats since the last read, and reading empties them.
+        out = list(self.stats)
+        self.stats.clear()
+        return JSONResponse(out)
+
+    async def prometheus(self, request: Request) -> Response:
+        lv = self.prom.labels
+        used = self.core.used_blocks
+        self.prom.running.labels(**lv).set(self.core.num_active)
+        self.prom.waiting.labels(**lv).set(self.core.num_waiting)
+        self.prom.kv_util.labels(**lv).set(used / self.core.max_blocks)
+        self.prom.kv_used.labels(**lv).set(used)
+        self.prom.kv_free.labels(**lv).set(self.core.max_blocks - used)
+        return Response(generate_latest(self.prom.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def _body(self, request: Request, model: type[SamplingBody]) -> SamplingBody | Response:
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "request body is not valid JSON")
+        if not isinstance(raw, dict):
+            return error_response(400, "request body must be a JSON object")
+        try:
+            return model.model_validate(raw)
+        except ValidationError as exc:
+            message, param = validation_message(exc)
+            return error_response(400, message, param)
+
+    async def completions(self, request: Request) -> Response:
+        if not self.ready or self.draining:
+            return error_response(503, "the engine is shutting down")
+        body = await self._body(request, CompletionBody)
+        if isinstance(body, Response):
+            return body
+        assert isinstance(body, CompletionBody)
+        text, token_count = body.prompt_text()
+        return await self._generate(body, text, token_count, body.max_tokens, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        if not self.ready or self.draining:
+            return error_response(503, "the engine is shutting down")
+        body = await self._body(request, ChatBody)
+        if isinstance(body, Response):
+            return body
+        assert isinstance(body, ChatBody)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await self._generate(body, body.prompt_text(), None, max_tokens, chat=True)
+
+    async def _generate(
+        self,
+        body: SamplingBody,
+        prompt: str,
+        prompt_tokens: int | None,
+        max_tokens: int | None,
+        *,
+        chat: bool,
+    ) -> Response:
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        spec = GenerationRequest(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            stop=body.stops(),
+            ignore_eos=body.ignore_eos,
+            seed=body.seed,
+        )
+        try:
+            ch = self._submit(spec)
+        except RequestRejected as exc:
+            return error_response(400, str(exc))
+        self.inflight += 1
+        created = int(time.time())
+        if body.stream:
+            opts = body.stream_options
+            stream = self._stream(
+                request_id,
+                ch,
+                created,
+                prompt_tokens=prompt_tokens or count_tokens(prompt),
+                chat=chat,
+                include_usage=bool(opts and opts.include_usage),
+                continuous_usage=bool(opts and opts.continuous_usage_stats),
+            )
+            return StreamingResponse(stream, media_type="text/event-stream")
+        try:
+            parts: list[str] = []
+            finished: Finished | None = None
+            while finished is None:
+                batch, finished = await ch.next_batch()
+                parts.extend(t.text for t in batch)
+        finally:
+            self._release(request_id, ch)
+            self.inflight -= 1
+        text = "".join(parts)
+        choice: dict[str, Any] = {"index": 0}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=finished.finish_reason, stop_reason=None)
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": self.settings.served_model,
+                "choices": [choice],
+                "usage": _usage(finished.prompt_tokens, finished.completion_tokens),
+            }
+        )
+
+    async def _stream(
+        self,
+        request_id: str,
+        ch: _Channel,
+        created: int,
+        *,
+        prompt_tokens: int,
+        chat: bool,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        # Chunks are formatted by hand: at a few thousand tokens per second json.dumps of whole
+        # dicts would cost the server more than the simulated GPU does.
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        model = json.dumps(self.settings.served_model)
+        head = f'data: {{"id":"{request_id}","object":"{obj}","created":{created},"model":{model},'
+        key = '"delta":{"content":' if chat else '"text":'
+        close = "}" if chat else ""
+        produced = 0
+        try:
+            if chat:
+                yield (
+                    head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                    '"logprobs":null,"finish_reason":null}]}\n\n'
+                ).encode()
+            finished: Finished | None = None
+            while finished is None:
+                batch, finished = await ch.next_batch()
+                out = []
+                for i, tok in enumerate(batch):
+                    produced += 1
+                    last = finished is not None and i == len(batch) - 1
+                    reason = f'"{finished.finish_reason}"' if last and finished else "null"
+                    usage = ""
+                    if continuous_usage:
+                        usage = ',"usage":' + json.dumps(_usage(prompt_tokens, produced))
+                    out.append(
+                        f'{head}"choices":[{{"index":0,{key}{json.dumps(tok.text)}{close},'
+                        f'"logprobs":null,"finish_reason":{reason}}}]{usage}}}\n\n'
+                    )
+                if out:
+                    yield "".join(out).encode()
+            if include_usage:
+                usage = json.dumps(_usage(finished.prompt_tokens, finished.completion_tokens))
+                yield f'{head}"choices":[],"usage":{usage}}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            self._release(request_id, ch)
+            self.inflight -= 1
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class _UvicornServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The stand-in handles SIGTERM/SIGINT itself (drain, then exit 0). uvicorn's own
+        # handling would re-raise the signal after shutdown, ending the process by SIGTERM.
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bound, not listening: connections are refused until the engine is loaded."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    # proto must be IPPROTO_TCP (not 0): asyncio turns Nagle off only on such sockets, and with
+    # Nagle on, a keep-alive stream's first token waits for the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(settings: Settings, sock: socket.socket) -> int:
+    server = StandinServer(settings)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    load_wall = settings.load_s / settings.speedup
+    shape = settings.core.shape
+    log.info(
+        "stand-in loading %s %s on %d × %s (tp %d, pp %d) for %.2f s; KV cache %d tokens",
+        shape.model.name,
+        shape.precision,
+        shape.gpus,
+        shape.gpu.name,
+        shape.tp_size,
+        shape.pp_size,
+        load_wall,
+        cost_model.kv_capacity_tokens(shape),
+    )
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=load_wall)
+    if stop.is_set():
+        log.info("stand-in stopped while loading")
+        return 0
+
+    config = uvicorn.Config(
+        server.app,
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=5,  # trtllm-serve's TIMEOUT_KEEP_ALIVE
+        timeout_graceful_shutdown=2,
+    )
+    web = _UvicornServer(config)
+    engine = asyncio.create_task(server.engine_loop(), name="engine-loop")
+    engine.add_done_callback(lambda task: _engine_died(task, stop))
+    web_task = asyncio.create_task(web.serve(sockets=[sock]), name="uvicorn")
+    while not web.started and not web_task.done():
+        await asyncio.sleep(0.01)
+    server.ready = True
+    log.info("stand-in serving %s on %s:%d", settings.served_model, settings.host, settings.port)
+
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({stopped, web_task}, return_when=asyncio.FIRST_COMPLETED)
+    if stopped.done():
+        server.draining = True
+        log.info("stand-in draining %d request(s)", server.inflight)
+        deadline = loop.time() + settings.drain_s
+        while server.core.has_work() and not engine.done() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        # The engine is idle: give the handlers a moment to send their last chunks.
+        flush = min(deadline, loop.time() + 1.0)
+        while server.inflight and loop.time() < flush:
+            await asyncio.sleep(0.02)
+        if server.inflight or server.core.has_work():
+            log.warning("stand-in drain bound reached; dropping %d request(s)", server.inflight)
+        web.should_exit = True
+    else:
+        stopped.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await web_task
+    failed = engine.done() and not engine.cancelled() and engine.exception() is not None
+    engine.cancel()
+    with contextlib.suppress(BaseException):
+        await engine
+    log.info("stand-in stopped")
+    return 1 if failed else 0
+
+
+def _engine_died(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("stand-in engine loop failed", exc_info=task.exception())
+        stop.set()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # exits 2 on an unknown or malformed flag
+    level = {"internal_error": "CRITICAL", "verbose": "DEBUG", "trace": "DEBUG"}.get(
+        args.log_level, args.log_level.upper()
+    )
+    logging.basicConfig(level=level, format="[%(asctime)s] %(levelname)s %(message)s")
+    try:
+        settings = build_settings(args, os.environ)
+    except ConfigError as exc:
+        print(f"stand-in: {exc}", file=sys.stderr)
+        return 1
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        print(f"stand-in: failed to bind {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        return 1
+    with sock:
+        return asyncio.run(serve(settings, sock))

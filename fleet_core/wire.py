@@ -1,0 +1,147 @@
+"""What the agent and the fleet say to each other: register, heartbeat, and the fleet's answer.
+
+One set of pydantic models for both sides: the service validates reports with them
+(fleet/registry/agent_reports.py, POST /api/v1/agent/register and /heartbeat) and the agent builds
+its reports and reads the answer with them (fleet_agent/fleet_client.py). The JSON field names are
+the wire format: changing one breaks every agent in the field. Pure: no I/O.
+
+Reports are strict (`extra="forbid"`, bounded sizes): the fleet refuses what it does not know.
+The answer (`Reply`) is read leniently by the agent: a field it lacks keeps the agent's current
+value, and fields it does not know are ignored, so a newer fleet can answer an older agent. The
+service answers with a subclass whose fields are all required (fleet/registry/agent_reports.py).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from fleet_core.fault_policy import RepairAction, Verdict
+
+MAX_GPUS = 64
+MAX_REASONS = 256
+REGISTER_PATH = "/api/v1/agent/register"
+HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
+
+
+class GpuHealth(StrEnum):
+    """One GPU's health as the agent's policy judges it (the verdicts, or not judged yet)."""
+
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    UNHEALTHY = "unhealthy"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GpuFound(_Strict):
+    index: int = Field(ge=0, le=MAX_GPUS - 1)
+    uuid: str | None = Field(default=None, max_length=64)
+    name: str | None = Field(default=None, max_length=100)
+    memory_mib: int | None = Field(default=None, ge=0)
+    pci_bus_id: str | None = Field(default=None, max_length=32)
+
+
+class Registration(_Strict):
+    server: str = Field(max_length=63)
+    agent_version: str = Field(min_length=1, max_length=32)
+    agent_url: str | None = Field(default=None, max_length=255, pattern=r"^https?://\S+$")
+    # The key the agent's local API asks of /probe callers (fleet_agent/config.py api_key).
+    agent_api_key: SecretStr | None = Field(default=None, min_length=16, max_length=256)
+    telemetry: str = Field(max_length=32)
+    driver_version: str | None = Field(default=None, max_length=32)
+    gpus: list[GpuFound] = Field(default_factory=list, max_length=MAX_GPUS)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON body the agent sends: the key in clear (a SecretStr dumps as stars), since
+        the fleet stores it to call the agent's /probe."""
+        body = self.model_dump(mode="json")
+        key = self.agent_api_key
+        body["agent_api_key"] = key.get_secret_value() if key is not None else None
+        return body
+
+
+class GpuStatus(_Strict):
+    index: int = Field(ge=0, le=MAX_GPUS - 1)
+    uuid: str | None = Field(default=None, max_length=64)
+    health: GpuHealth = GpuHealth.UNKNOWN
+    lost: bool = False
+    temperature_c: float | None = None
+    memory_used_mib: int | None = Field(default=None, ge=0)
+    memory_total_mib: int | None = Field(default=None, ge=0)
+    utilization_pct: float | None = Field(default=None, ge=0, le=100)
+    power_w: float | None = Field(default=None, ge=0)
+
+
+class HealthReason(_Strict):
+    code: str = Field(max_length=64)
+    gpu: int | None = Field(default=None, ge=0, le=MAX_GPUS - 1)
+    message: str = Field(max_length=500)
+    action: RepairAction
+    verdict: Verdict
+
+
+class ReplicaStatus(_Strict):
+    """One engine replica as the agent's supervisor sees it (fleet_agent/engine/supervisor.py)."""
+
+    index: int = Field(ge=0, le=MAX_GPUS - 1)
+    gpus: list[int] = Field(default_factory=list, max_length=MAX_GPUS)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    url: str | None = Field(default=None, max_length=255, pattern=r"^https?://\S+$")
+    state: str = Field(max_length=32)
+    restarts: int = Field(default=0, ge=0)
+    load_seconds: float | None = Field(default=None, ge=0)
+    queued: int | None = Field(default=None, ge=0)
+    running: int | None = Field(default=None, ge=0)
+    kv_used_fraction: float | None = Field(default=None, ge=0, le=1)
+    cache_hit_rate: float | None = Field(default=None, ge=0, le=1)
+    tokens_per_s: float | None = Field(default=None, ge=0)
+    ttft_p50_s: float | None = Field(default=None, ge=0)
+    ttft_p95_s: float | None = Field(default=None, ge=0)
+    e2e_p50_s: float | None = Field(default=None, ge=0)
+    e2e_p95_s: float | None = Field(default=None, ge=0)
+
+
+class Heartbeat(_Strict):
+    server: str = Field(max_length=63)
+    verdict: Verdict
+    action: RepairAction = RepairAction.NONE
+    reasons: list[HealthReason] = Field(default_factory=list, max_length=MAX_REASONS)
+    gpus: list[GpuStatus] = Field(default_factory=list, max_length=MAX_GPUS)
+    snapshot_at: datetime | None = None
+    draining: bool = False
+    ready: bool | None = None  # the agent's /readyz: GPUs fine, not draining, replicas ready
+    replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=MAX_GPUS)
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class Assignment(BaseModel):
+    """What the server should run: nothing, a deployment's replicas, or drain."""
+
+    kind: Literal["none", "serve", "drain"]
+    deployment: str | None = None
+    model_uri: str | None = None
+    model_checksum: str | None = None
+    engine_params: dict[str, Any] = Field(default_factory=dict)
+    gpus_per_replica: int | None = None
+    replicas: int = 0
+
+
+class Reply(BaseModel):
+    """The fleet's answer to a registration or a heartbeat, as the agent reads it."""
+
+    server: str | None = None
+    state: str | None = None  # the server's lifecycle state (fleet.lifecycle.states)
+    heartbeat_interval_s: float | None = None
+    expected_gpus: int | None = None  # what the inventory says: the policy flags a missing GPU
+    assignment: Assignment = Field(default_factory=lambda: Assignment(kind="none"))
+    # Replica URLs of this heartbeat that the fleet dropped (field: why); the agent logs them.
+    refused_urls: list[str] = Field(default_factory=list)
