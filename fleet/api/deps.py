@@ -1,16 +1,20 @@
-"""How a request gets its database session, its caller and its page: nothing else knows."""
+"""How a request gets its database session, the engine, its caller and its page: nothing else
+knows. Routes take them as the `Annotated` aliases below (`SessionDep`, `EngineDep`, `Viewer`,
+`PagingDep`, ...)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, HTTPException, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from fleet.api import edge
+from fleet.api.responses import Page
 from fleet.auth import Principal
 from fleet.crypto import SecretBox
 from fleet.models import Role
@@ -27,6 +31,16 @@ def get_session(request: Request) -> Iterator[Session]:
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
+
+
+async def get_engine(request: Request) -> Engine:
+    """The service's engine, for work that opens sessions of its own and must hold no
+    transaction meanwhile (power actions wait on BMCs: fleet/power/actions.py)."""
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
 
 _bearer = HTTPBearer(auto_error=False, description="a token from `fleetctl token create`")
 
@@ -66,6 +80,7 @@ def require(role: Role) -> Callable[[Principal], Awaitable[Principal]]:
 
 Viewer = Annotated[Principal, Depends(require(Role.VIEWER))]
 Operator = Annotated[Principal, Depends(require(Role.OPERATOR))]
+RouterCaller = Annotated[Principal, Depends(require(Role.ROUTER))]
 AgentCaller = Annotated[Principal, Depends(require(Role.AGENT))]
 
 
@@ -90,6 +105,9 @@ async def get_box(request: Request) -> SecretBox:
 BoxDep = Annotated[SecretBox, Depends(get_box)]
 
 
+Row = TypeVar("Row")
+
+
 @dataclass(frozen=True, slots=True)
 class Paging:
     """`limit`/`offset` of a list request; `page` wraps one page, `slice` pages a full list."""
@@ -98,21 +116,21 @@ class Paging:
     offset: int
     request: Request
 
-    def page(self, count: int, results: list[Any]) -> dict[str, Any]:
+    def page(self, count: int, results: list[Row]) -> Page[Row]:
         """`{count, next, previous, results}` with absolute links to the neighbouring pages."""
 
         def link(offset: int) -> str:
             return str(self.request.url.include_query_params(limit=self.limit, offset=offset))
 
         following = self.offset + self.limit
-        return {
-            "count": count,
-            "next": link(following) if following < count else None,
-            "previous": link(max(0, self.offset - self.limit)) if self.offset > 0 else None,
-            "results": results,
-        }
+        return Page(
+            count=count,
+            next=link(following) if following < count else None,
+            previous=link(max(0, self.offset - self.limit)) if self.offset > 0 else None,
+            results=results,
+        )
 
-    def slice(self, rows: list[Any]) -> dict[str, Any]:
+    def slice(self, rows: list[Row]) -> Page[Row]:
         return self.page(len(rows), rows[self.offset : self.offset + self.limit])
 
 

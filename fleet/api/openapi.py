@@ -158,7 +158,7 @@ def _refuse_controls(schema: dict[str, Any]) -> None:
 
 def narrowed(pattern: str) -> str:
     """`pattern` without the control characters its `\\S` admits (other constructs in our
-    patterns are explicit ASCII classes: tests/test_validation.py checks each)."""
+    patterns are explicit ASCII classes: tests/unit/test_validation.py checks each)."""
     out: list[str] = []
     i = 0
     while i < len(pattern):

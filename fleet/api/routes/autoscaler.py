@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import Session, col, select
 
 from fleet.api.deps import Operator, SessionDep, SettingsDep, Viewer
+from fleet.api.responses import Listing, ScaleOutcome, ScalingDecisionPublic, ScalingStatus
 from fleet.autoscaler.service import status
 from fleet.errors import NotFoundError
 from fleet.models import MAX_REPLICAS, Deployment, Event, OptInt, ScalingDecision, utcnow
@@ -23,12 +24,14 @@ class ScaleRequest(BaseModel):
 
 
 @router.get("/autoscaler")
-def autoscaler_status(_: Viewer, session: SessionDep, settings: SettingsDep) -> dict[str, Any]:
+def autoscaler_status(
+    _: Viewer, session: SessionDep, settings: SettingsDep
+) -> Listing[ScalingStatus]:
     """Per deployment: mode, target, serving, on the way, its signals now (from the last
     heartbeats and router reports, as the autoscaler's next tick sees them), and its last
     decision's rule and reason."""
-    rows = status(session, settings, utcnow())
-    return {"count": len(rows), "results": rows}
+    rows = [ScalingStatus.model_validate(row) for row in status(session, settings, utcnow())]
+    return Listing(count=len(rows), results=rows)
 
 
 @router.get("/autoscaler/{deployment}/decisions")
@@ -36,8 +39,8 @@ def decisions(
     deployment: str,
     _: Viewer,
     session: SessionDep,
-    limit: int = Query(default=50, ge=1, le=1000),
-) -> dict[str, Any]:
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> Listing[ScalingDecisionPublic]:
     """The deployment's decisions, newest first: rule, target before and after, inputs."""
     _deployment(session, deployment)
     rows = session.exec(
@@ -46,11 +49,12 @@ def decisions(
         .order_by(col(ScalingDecision.id).desc())
         .limit(limit)
     ).all()
-    return {"count": len(rows), "results": [r.model_dump() for r in rows]}
+    results = [ScalingDecisionPublic.model_validate(r, from_attributes=True) for r in rows]
+    return Listing(count=len(results), results=results)
 
 
 @router.post("/deployments/{name}/scale")
-def scale(name: str, request: ScaleRequest, user: Operator, session: SessionDep) -> dict[str, Any]:
+def scale(name: str, request: ScaleRequest, user: Operator, session: SessionDep) -> ScaleOutcome:
     """Pin the deployment at `replicas` (manual mode: the autoscaler holds it there), or
     `null` for automatic scaling again."""
     deployment = _deployment(session, name)
@@ -69,11 +73,11 @@ def scale(name: str, request: ScaleRequest, user: Operator, session: SessionDep)
         )
     )
     session.commit()
-    return {
-        "deployment": name,
-        "mode": "pinned" if request.replicas is not None else "auto",
-        "pinned_replicas": request.replicas,
-    }
+    return ScaleOutcome(
+        deployment=name,
+        mode="pinned" if request.replicas is not None else "auto",
+        pinned_replicas=request.replicas,
+    )
 
 
 def _deployment(session: Session, name: str) -> Deployment:

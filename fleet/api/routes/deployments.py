@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, status
 
 from fleet.api.deps import Operator, PagingDep, SessionDep, Viewer
+from fleet.api.responses import Page
 from fleet.inventory import deployments as service
 from fleet.models import DeploymentCreate, DeploymentPublic, DeploymentUpdate
 
@@ -14,7 +13,7 @@ router = APIRouter(prefix="/deployments", tags=["deployments"])
 
 
 @router.get("")
-def list_deployments(_: Viewer, session: SessionDep, paging: PagingDep) -> dict[str, Any]:
+def list_deployments(_: Viewer, session: SessionDep, paging: PagingDep) -> Page[DeploymentPublic]:
     return paging.slice(service.list_deployments(session))
 
 

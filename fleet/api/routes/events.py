@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
 from fleet.api.deps import PagingDep, SessionDep, Viewer
+from fleet.api.responses import Page
 from fleet.events import EventFilter, list_events
-from fleet.models import IsoDateTime
+from fleet.models import EventPublic, IsoDateTime
 
 router = APIRouter(tags=["events"])
 
@@ -23,7 +22,7 @@ def events(
     kind: str | None = None,
     since: IsoDateTime | None = None,
     until: IsoDateTime | None = None,
-) -> dict[str, Any]:
+) -> Page[EventPublic]:
     where = EventFilter(subject_type, subject, kind, since, until)
     count, results = list_events(session, where, paging.limit, paging.offset)
     return paging.page(count, results)

@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 from starlette.responses import Response
 
 from fleet import db
+from fleet.api.responses import Liveness, ReadinessAnswer
 
 router = APIRouter(tags=["health"])
 log = logging.getLogger(__name__)
@@ -102,11 +103,18 @@ class Readiness:
 
 
 @router.get("/healthz")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+async def healthz() -> Liveness:
+    return Liveness(status="ok")
 
 
-@router.get("/readyz", responses={503: {"description": "Database unreachable or not migrated"}})
+@router.get(
+    "/readyz",
+    # The answer is a JSONResponse (its status depends on the checks): the models document it.
+    responses={
+        200: {"model": ReadinessAnswer, "description": "Database reachable and migrated"},
+        503: {"model": ReadinessAnswer, "description": "Database unreachable or not migrated"},
+    },
+)
 async def readyz(request: Request) -> JSONResponse:
     readiness: Readiness = request.app.state.readiness
     checks = await readiness.answer()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from sqlmodel import Session
 
-from fleet.api.deps import BoxDep, Operator, SessionDep, Viewer, get_session
+from fleet.api.deps import BoxDep, Operator, SessionDep, Viewer
 from fleet.auth import Principal
 from fleet.crypto import SecretBox
 from fleet.inventory import ImportReport, dump_yaml, export_inventory, import_inventory
@@ -55,7 +55,7 @@ async def import_file(
     request: Request,
     user: Operator,
     box: BoxDep,
-    session: Annotated[Session, Depends(get_session)],
+    session: SessionDep,
     dry_run: Annotated[bool, Query(description="report the changes, write nothing")] = False,
 ) -> ImportReport:
     body = await _read(request)

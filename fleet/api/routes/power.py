@@ -6,7 +6,6 @@ import json
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -14,12 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from fleet.api.deps import BoxDep, Operator, SessionDep, SettingsDep
+from fleet.api.deps import BoxDep, EngineDep, Operator, SessionDep, SettingsDep
+from fleet.api.responses import BulkPowerOutcome, BulkVerifyOutcome, PowerOutcome, VerifyOutcome
+from fleet.bmc.base import Action
 from fleet.crypto import SecretBox
 from fleet.inventory.servers import ServerFilter, list_servers
 from fleet.lifecycle.states import ServerState
 from fleet.models import Pool, exactly_one_of
-from fleet.power.actions import Action, PowerReport, load_servers, power, verify
+from fleet.power.actions import PowerReport, load_servers, power, verify
 from fleet.settings import Settings
 
 router = APIRouter(tags=["power"])
@@ -63,18 +64,8 @@ class BulkPowerRequest(ChooseServers):
     action: Action
 
 
-def _report(r: PowerReport) -> dict[str, Any]:
-    return {
-        "server": r.server,
-        "action": r.action,
-        "ok": r.ok,
-        "sent": r.sent,
-        "state_before": r.state_before,
-        "state_after": r.state_after,
-        "error": r.error,
-        "started": r.started,
-        "seconds": r.seconds,
-    }
+def _outcome(report: PowerReport) -> PowerOutcome:
+    return PowerOutcome.model_validate(report, from_attributes=True)
 
 
 @router.post("/servers/{name}/power")
@@ -82,15 +73,14 @@ def power_one(
     name: str,
     request: PowerRequest,
     user: Operator,
-    session: SessionDep,
+    engine: EngineDep,
     box: BoxDep,
     settings: SettingsDep,
-) -> dict[str, Any]:
+) -> PowerOutcome:
     """Read back after acting; asking for the state the server is in sends nothing."""
-    engine = session.get_bind()
-    session.close()  # no transaction held open while a BMC takes its time
-    [report] = power(engine, box, settings, [name], request.action, user.actor)  # type: ignore[arg-type]
-    return _report(report)
+    # No session of the request's: no transaction held open while a BMC takes its time.
+    [report] = power(engine, box, settings, [name], request.action, user.actor)
+    return _outcome(report)
 
 
 NDJSON = "application/x-ndjson"
@@ -98,6 +88,7 @@ NDJSON = "application/x-ndjson"
 
 @router.post(
     "/power",
+    response_model=BulkPowerOutcome,
     responses={
         200: {
             "description": (
@@ -114,12 +105,12 @@ def power_many(
     http: Request,
     user: Operator,
     session: SessionDep,
+    engine: EngineDep,
     box: BoxDep,
     settings: SettingsDep,
-) -> Any:
+) -> BulkPowerOutcome | StreamingResponse:
     """Many servers at once: bounded concurrency, power-ons staggered per rack."""
     names = request.names(session)
-    engine = cast(Engine, session.get_bind())
     session.close()  # the bulk action opens its own sessions per server
     load_servers(engine, names)  # unknown names are a 404 before anything is sent
     action: Action = request.action
@@ -127,11 +118,11 @@ def power_many(
         stream = _stream(engine, box, settings, names, action, user.actor)
         return StreamingResponse(stream, media_type=NDJSON)
     reports = power(engine, box, settings, names, action, user.actor)
-    return {
-        "count": len(reports),
-        "failed": sum(not r.ok for r in reports),
-        "results": [_report(r) for r in reports],
-    }
+    return BulkPowerOutcome(
+        count=len(reports),
+        failed=sum(not r.ok for r in reports),
+        results=[_outcome(r) for r in reports],
+    )
 
 
 def _stream(
@@ -157,7 +148,7 @@ def _stream(
             yield json.dumps({"error": f"{type(item).__name__}: {item}"}) + "\n"
             continue
         failed += not item.ok
-        yield json.dumps({"result": _report(item)}, default=str) + "\n"
+        yield json.dumps({"result": _outcome(item).model_dump(mode="json")}) + "\n"
     yield json.dumps({"count": len(dict.fromkeys(names)), "failed": failed}) + "\n"
 
 
@@ -166,25 +157,17 @@ def verify_servers(
     request: ChooseServers,
     user: Operator,
     session: SessionDep,
+    engine: EngineDep,
     box: BoxDep,
     settings: SettingsDep,
-) -> dict[str, Any]:
+) -> BulkVerifyOutcome:
     """First contact with enrolled servers' BMCs: warm-pool servers found off become `warm`;
     baseline servers are powered on and become `booting`. Others are left as they are."""
     names = request.names(session)
     session.close()
-    reports = verify(session.get_bind(), box, settings, names, user.actor)  # type: ignore[arg-type]
-    return {
-        "count": len(reports),
-        "failed": sum(not r.ok for r in reports),
-        "results": [
-            {
-                "server": r.server,
-                "ok": r.ok,
-                "power_state": r.power_state,
-                "moved_to": r.moved_to,
-                "message": r.message,
-            }
-            for r in reports
-        ],
-    }
+    reports = verify(engine, box, settings, names, user.actor)
+    return BulkVerifyOutcome(
+        count=len(reports),
+        failed=sum(not r.ok for r in reports),
+        results=[VerifyOutcome.model_validate(r, from_attributes=True) for r in reports],
+    )

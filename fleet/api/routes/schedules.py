@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, NoReturn
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
 
 from fleet.api.deps import Operator, SessionDep, SettingsDep, Viewer
+from fleet.api.responses import Listing, ScheduleEntryPublic, SchedulePreview
 from fleet.calendar import entries as service
 from fleet.models import INT32_MAX, IsoDateTime, ScheduleEntryCreate, as_utc
 
 router = APIRouter(prefix="/schedules", tags=["calendar"])
-Count = Query(default=10, ge=1, le=service.MAX_PREVIEW)
-Start = Query(default=None, description="preview from here (ISO 8601; UTC if no offset)")
+Count = Annotated[int, Query(ge=1, le=service.MAX_PREVIEW)]
+Start = Annotated[
+    IsoDateTime | None, Query(description="preview from here (ISO 8601; UTC if no offset)")
+]
 # Entry ids are 32-bit on Postgres: a larger one is no entry (422), not a database error.
 EntryId = Annotated[int, Path(ge=1, le=INT32_MAX)]
 
@@ -21,16 +24,21 @@ EntryId = Annotated[int, Path(ge=1, le=INT32_MAX)]
 @router.get("")
 def list_entries(
     _: Viewer, session: SessionDep, settings: SettingsDep, deployment: str | None = None
-) -> dict[str, Any]:
-    rows = service.list_entries(session, settings, deployment)
-    return {"count": len(rows), "results": rows}
+) -> Listing[ScheduleEntryPublic]:
+    rows = [
+        ScheduleEntryPublic.model_validate(row)
+        for row in service.list_entries(session, settings, deployment)
+    ]
+    return Listing(count=len(rows), results=rows)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 def create_entry(
     spec: ScheduleEntryCreate, user: Operator, session: SessionDep, settings: SettingsDep
-) -> dict[str, Any]:
-    return service.create_entry(session, spec, user.actor, settings)
+) -> ScheduleEntryPublic:
+    return ScheduleEntryPublic.model_validate(
+        service.create_entry(session, spec, user.actor, settings)
+    )
 
 
 @router.post("/preview")
@@ -39,11 +47,13 @@ def preview(
     _: Viewer,
     session: SessionDep,
     settings: SettingsDep,
-    count: int = Count,
-    start: IsoDateTime | None = Start,
-) -> dict[str, Any]:
+    count: Count = 10,
+    start: Start = None,
+) -> SchedulePreview:
     """The next windows of an entry not yet added."""
-    return service.preview(session, spec, settings, count=count, start=_utc(start))
+    return SchedulePreview.model_validate(
+        service.preview(session, spec, settings, count=count, start=_utc(start))
+    )
 
 
 @router.api_route(
@@ -60,8 +70,8 @@ def preview_is_a_post() -> NoReturn:
 @router.get("/{entry_id}")
 def get_entry(
     entry_id: EntryId, _: Viewer, session: SessionDep, settings: SettingsDep
-) -> dict[str, Any]:
-    return service.get_entry(session, entry_id, settings)
+) -> ScheduleEntryPublic:
+    return ScheduleEntryPublic.model_validate(service.get_entry(session, entry_id, settings))
 
 
 @router.get("/{entry_id}/preview")
@@ -70,10 +80,12 @@ def preview_entry(
     _: Viewer,
     session: SessionDep,
     settings: SettingsDep,
-    count: int = Count,
-    start: IsoDateTime | None = Start,
-) -> dict[str, Any]:
-    return service.preview_entry(session, entry_id, settings, count=count, start=_utc(start))
+    count: Count = 10,
+    start: Start = None,
+) -> SchedulePreview:
+    return SchedulePreview.model_validate(
+        service.preview_entry(session, entry_id, settings, count=count, start=_utc(start))
+    )
 
 
 @router.delete("/{entry_id}", status_code=status.HTTP_204_NO_CONTENT)

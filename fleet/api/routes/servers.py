@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
 from fleet.api.deps import BoxDep, Operator, PagingDep, SessionDep, Viewer
+from fleet.api.responses import Page, TransitionOutcome
 from fleet.errors import NotAnOperatorMove
 from fleet.inventory.servers import ServerFilter, get_server, list_gpus, list_servers, update_server
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import OPERATOR_TARGETS, ServerState
 from fleet.models import (
     EventPublic,
+    GpuPublic,
     Pool,
     Role,
     ServerPublic,
@@ -33,7 +33,7 @@ def servers(
     pool: Pool | None = None,
     state: ServerState | None = None,
     gpu_model: str | None = None,
-) -> dict[str, Any]:
+) -> Page[ServerPublic]:
     where = ServerFilter(site=site, rack=rack, pool=pool, state=state, gpu_model=gpu_model)
     count, results = list_servers(session, where, paging.limit, paging.offset)
     return paging.page(count, results)
@@ -57,7 +57,7 @@ def edit_server(
 @router.post("/servers/{name}/transition")
 def transition(
     name: str, move: TransitionRequest, user: Operator, session: SessionDep
-) -> dict[str, Any]:
+) -> TransitionOutcome:
     """An operator's lifecycle move: maintenance, retired, enrolled (release) or draining.
 
     422 for a target only the fleet's own loops may reach; 409 if the move is not allowed
@@ -70,14 +70,14 @@ def transition(
             f"agent reported), not by hand; operators may move a server to: {allowed}"
         )
     event = lifecycle.transition(session, name, move.to, user.actor, move.reason)
-    return {
-        "server": get_server(session, name),
-        "event": EventPublic.model_validate(event.model_dump()) if event else None,
-    }
+    return TransitionOutcome(
+        server=get_server(session, name),
+        event=EventPublic.model_validate(event.model_dump()) if event else None,
+    )
 
 
 @router.get("/servers/{name}/gpus")
-def server_gpus(name: str, _: Viewer, session: SessionDep, paging: PagingDep) -> dict[str, Any]:
+def server_gpus(name: str, _: Viewer, session: SessionDep, paging: PagingDep) -> Page[GpuPublic]:
     count, results = list_gpus(session, name, paging.limit, paging.offset)
     return paging.page(count, results)
 
@@ -85,6 +85,6 @@ def server_gpus(name: str, _: Viewer, session: SessionDep, paging: PagingDep) ->
 @router.get("/gpus")
 def gpus(
     _: Viewer, session: SessionDep, paging: PagingDep, server: str | None = None
-) -> dict[str, Any]:
+) -> Page[GpuPublic]:
     count, results = list_gpus(session, server, paging.limit, paging.offset)
     return paging.page(count, results)

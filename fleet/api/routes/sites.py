@@ -5,19 +5,18 @@ These tables are small (hundreds of rows, not thousands), so the lists page in m
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
 from fleet.api.deps import PagingDep, SessionDep, Viewer
+from fleet.api.responses import Page
 from fleet.inventory import sites as service
-from fleet.models import RackPublic, SitePublic
+from fleet.models import PowerFeedPublic, RackPublic, SitePublic
 
 router = APIRouter(tags=["inventory"])
 
 
 @router.get("/sites")
-def list_sites(_: Viewer, session: SessionDep, paging: PagingDep) -> dict[str, Any]:
+def list_sites(_: Viewer, session: SessionDep, paging: PagingDep) -> Page[SitePublic]:
     return paging.slice(service.list_sites(session))
 
 
@@ -29,7 +28,7 @@ def get_site(name: str, _: Viewer, session: SessionDep) -> SitePublic:
 @router.get("/racks")
 def list_racks(
     _: Viewer, session: SessionDep, paging: PagingDep, site: str | None = None
-) -> dict[str, Any]:
+) -> Page[RackPublic]:
     return paging.slice(service.list_racks(session, site))
 
 
@@ -41,5 +40,5 @@ def get_rack(name: str, _: Viewer, session: SessionDep) -> RackPublic:
 @router.get("/feeds")
 def list_feeds(
     _: Viewer, session: SessionDep, paging: PagingDep, rack: str | None = None
-) -> dict[str, Any]:
+) -> Page[PowerFeedPublic]:
     return paging.slice(service.list_feeds(session, rack))
