@@ -1,0 +1,122 @@
+"""`fleetctl deployments`: served models (list, show, create, scale)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from fleet.cli.common import (
+    DEFAULT_URL,
+    CliError,
+    Out,
+    Output,
+    Token,
+    Url,
+    api_client,
+    handled,
+    show,
+    typer_app,
+)
+
+deployments_app = typer_app("Deployments (served models).")
+DEPLOYMENT_COLUMNS = [
+    ("name", "deployment"),
+    ("model_uri", "model"),
+    ("gpus_per_replica", "GPUs/replica #"),
+    ("gpu_models", "GPU models"),
+    ("min_replicas", "min #"),
+    ("max_replicas", "max #"),
+    ("sla_p95_latency_ms", "p95 SLA ms"),
+    ("sla_ttft_ms", "TTFT SLA ms"),
+]
+
+
+@deployments_app.command("list")
+@handled
+def deployments_list(
+    url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
+) -> None:
+    """List deployments."""
+    show(
+        list(api_client(url, token).pages("/api/v1/deployments", None)), output, DEPLOYMENT_COLUMNS
+    )
+
+
+@deployments_app.command("show")
+@handled
+def deployments_show(
+    name: str, url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
+) -> None:
+    """Show one deployment."""
+    show(api_client(url, token).get(f"/api/v1/deployments/{name}"), output)
+
+
+def _engine_params(pairs: list[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"--engine {pair!r}: expected KEY=VALUE")
+        params[key] = yaml.safe_load(value)  # 8 -> int, 0.9 -> float, pytorch -> str
+    return params
+
+
+@deployments_app.command("create")
+@handled
+def deployments_create(
+    name: str,
+    model_uri: Annotated[str, typer.Option("--model-uri", help="Where the weights are.")],
+    checksum: Annotated[str, typer.Option("--checksum", help="e.g. sha256:…")],
+    sla_p95_ms: Annotated[float, typer.Option("--sla-p95-ms", help="p95 latency SLA.")],
+    sla_ttft_ms: Annotated[float, typer.Option("--sla-ttft-ms", help="Time-to-first-token SLA.")],
+    gpus_per_replica: Annotated[int, typer.Option("--gpus-per-replica")] = 1,
+    gpu_model: Annotated[
+        list[str] | None, typer.Option("--gpu-model", help="Allowed; repeat.")
+    ] = None,
+    min_replicas: Annotated[int, typer.Option("--min")] = 0,
+    max_replicas: Annotated[int, typer.Option("--max")] = 1,
+    disruption_budget: Annotated[int, typer.Option("--disruption-budget")] = 1,
+    engine: Annotated[list[str] | None, typer.Option("--engine", help="KEY=VALUE; repeat.")] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """Create a deployment."""
+    params = _engine_params(engine or [])
+    params.setdefault("tp_size", gpus_per_replica)
+    params.setdefault("pp_size", 1)
+    body = {
+        "name": name,
+        "model_uri": model_uri,
+        "model_checksum": checksum,
+        "engine_params": params,
+        "gpus_per_replica": gpus_per_replica,
+        "gpu_models": gpu_model or [],
+        "min_replicas": min_replicas,
+        "max_replicas": max_replicas,
+        "sla_p95_latency_ms": sla_p95_ms,
+        "sla_ttft_ms": sla_ttft_ms,
+        "disruption_budget": disruption_budget,
+    }
+    show(api_client(url, token).request("POST", "/api/v1/deployments", json=body), output)
+
+
+@deployments_app.command("scale")
+@handled
+def deployments_scale(
+    name: str,
+    replicas: Annotated[
+        int | None, typer.Option("--replicas", min=0, help="Pin at this many replicas.")
+    ] = None,
+    auto: Annotated[bool, typer.Option("--auto", help="Back to automatic scaling.")] = False,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Pin a deployment at N replicas (manual mode), or hand it back with --auto."""
+    if (replicas is None) == (not auto):
+        raise CliError("give --replicas N (manual mode) or --auto, not both")
+    body = {"replicas": None if auto else replicas}
+    row = api_client(url, token).request("POST", f"/api/v1/deployments/{name}/scale", json=body)
+    typer.echo(f"{name}: " + ("automatic" if row["mode"] == "auto" else f"pinned at {replicas}"))
