@@ -13,12 +13,12 @@ down window, both ends), in one of six shapes: quiet, busy, hot (over its queue 
 ramp, a square wave, and busy with holes (missing signals).
 
 Timed, `--repeat` times each (median and best shown):
-  (1) aggregate   fleet.autoscaler.policy.aggregate for every deployment's servers (what the
+  (1) aggregate   fleet.autoscaler.signals.aggregate for every deployment's servers (what the
                   service does each tick with the fresh heartbeats);
   (2) decide      fleet.autoscaler.policy.decide for every deployment on its history;
   (3) decide/1 h  the same on an hour of history at 15 s (240 observations: what the service's
                   History keeps), to show what a longer history costs;
-  (4) the trend   the least-squares fit alone (policy.fit_trend: one pass of float sums over
+  (4) the trend   the least-squares fit alone (trend.fit_trend: one pass of float sums over
                   the 5-minute window) against the baseline a first version would write with
                   the standard library (statistics.linear_regression + statistics.correlation,
                   which sum exactly, in fractions), on the same points; the two must agree.
@@ -39,14 +39,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fleet.autoscaler.policy import (
-    DeploymentState,
-    PolicyConfig,
-    Signals,
-    aggregate,
-    decide,
-    fit_trend,
-)
+from fleet.autoscaler.policy import decide
+from fleet.autoscaler.signals import DeploymentState, PolicyConfig, Signals, aggregate
+from fleet.autoscaler.trend import fit_trend
 
 GPUS_PER_SERVER = 8
 SHAPES = ("quiet", "busy", "hot", "ramp", "square", "holes")
@@ -236,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{tick / len(deps) * 1e6:8.2f} µs"
     )
     print("the trend fit alone (5-minute windows):")
-    show("policy.fit_trend (float sums)", ours, len(windows), "fit")
+    show("trend.fit_trend (float sums)", ours, len(windows), "fit")
     show("baseline statistics (exact sums)", base, len(windows), "fit")
     print(
         f"  baseline / ours: {statistics.median(base) / statistics.median(ours):.1f}×; "

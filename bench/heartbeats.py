@@ -24,7 +24,8 @@ An answer is 200, or 503 with Retry-After past the admission cap; anything else 
 status, no answer within 30 s, a 503 without Retry-After) is counted as an error. Never fails
 on timing; exit 1 only when the setup fails or an error is counted.
 
-The pieces (payload, raw HTTP client, open loop, prober) are shared with tests/test_load.py.
+The pieces (payload, raw HTTP client, open loop, prober) are shared with
+tests/e2e/worlds/test_load.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import asyncio
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -48,12 +48,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from measure import cpu_seconds, free_port, pct  # run as a script: bench/ is on sys.path
+from measure import cpu_seconds, pct  # run as a script: bench/ is on sys.path
 
 from fleet.data import DEMO_INVENTORY
+from fleet.lab.harness import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
-FLEETCTL = Path(sys.executable).parent / "fleetctl"
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
 CLIENT_TIMEOUT_S = 30.0
@@ -357,39 +357,21 @@ def throwaway_database() -> Iterator[str]:
 
 def start_service(
     database_url: str, secret_key: str, data_dir: Path, log: Path, **settings: str
-) -> tuple[subprocess.Popen[bytes], str]:
-    """`fleetctl serve` in a session of its own; (process, URL) once /healthz answers."""
-    import httpx
-
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env |= {
-        "FLEET_DATABASE_URL": database_url,
-        "FLEET_SECRET_KEY": secret_key,
-        "FLEET_DATA_DIR": str(data_dir),
-        "FLEET_RUN_LOOPS": "true",
-        "PYTHONUNBUFFERED": "1",
-    } | {f"FLEET_{k.upper()}": v for k, v in settings.items()}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(FLEETCTL), "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"fleetctl serve exited ({proc.returncode}); log: {log}")
-        with suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return proc, url
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"fleetctl serve not ready within 60 s; log: {log}")
-        time.sleep(0.1)
+) -> ServeProcess:
+    """`fleetctl serve` with its loops on (settings: `name=value` for FLEET_NAME), ready."""
+    service = ServeProcess(
+        "serve",
+        data_dir,
+        {
+            "FLEET_DATABASE_URL": database_url,
+            "FLEET_SECRET_KEY": secret_key,
+            "FLEET_RUN_LOOPS": "true",
+        }
+        | {f"FLEET_{k.upper()}": v for k, v in settings.items()},
+        log=log,
+    )
+    service.start(error=RuntimeError)
+    return service
 
 
 def wait_settled(url: str, timeout: float = 60.0) -> None:
@@ -406,14 +388,6 @@ def wait_settled(url: str, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the reconciler did not tick within {timeout:g} s")
         time.sleep(0.2)
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    with suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,9 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = prepare_database(url, key)
         tokens = dict(list(tokens.items())[: args.agents])
         overrides = dict(item.split("=", 1) for item in args.set)
-        proc, service = start_service(
-            url, key, Path(tmp) / "data", Path(tmp) / "serve.log", **overrides
-        )
+        serve = start_service(url, key, Path(tmp) / "data", Path(tmp) / "serve.log", **overrides)
+        proc, service = serve.proc, serve.url
         try:
             print(
                 f"fleetctl serve on Postgres, demo inventory, {len(tokens)} agents, "
@@ -512,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 errors += figures["errors"]
                 show(f"{rate:g}/s", figures, healthz)
         finally:
-            kill_group(proc)
+            serve.kill()
     if errors:
         print(f"{errors} requests without a proper answer", file=sys.stderr)
         return 1

@@ -1,25 +1,19 @@
-"""Small helpers the benchmarks share (imported as scripts do: bench/ is on sys.path)."""
+"""Small helpers the benchmarks share (imported as scripts do: bench/ is on sys.path); the
+processes, free_port and wait_for are fleet/lab/harness.py's, as for the tests and the demo."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from fleet.lab.harness import free_port, wait_for
 from fleet_core.stats import quantile
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+__all__ = ["cpu_seconds", "free_port", "pct", "wait_until"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -40,14 +34,15 @@ def pct(values: Sequence[float], q: float) -> float:
 def wait_until(
     what: str, probe: Callable[[], Any], proc: subprocess.Popen[bytes], timeout: float
 ) -> None:
-    """Poll `probe` until it is truthy; RuntimeError if `proc` exits or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
-        with suppress(OSError, ValueError):
-            if probe():
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not ready within {timeout:g} s")
-        time.sleep(0.05)
+    """Poll `probe` until it is truthy; RuntimeError if `proc` exits or `timeout` passes (a
+    probe that cannot parse an answer yet counts as a no)."""
+
+    def patient() -> Any:
+        with suppress(ValueError):
+            return probe()
+        return None
+
+    def exited() -> str | None:
+        return None if proc.poll() is None else f"the process exited with {proc.returncode}"
+
+    wait_for(what, patient, timeout, every=0.05, give_up=exited, error=RuntimeError)

@@ -32,13 +32,12 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -49,11 +48,10 @@ import httpx
 import yaml
 from cryptography.fernet import Fernet
 
-from fleet import cli, db
-from fleet.lab.colo import VirtualColo
-from fleet.lab.sushy import free_port
+from fleet import db
+from fleet.cli.lab import lab_token_maker
+from fleet.lab.harness import ServeProcess, start_lab
 
-FLEETCTL = Path(sys.executable).parent / "fleetctl"
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 RACK_SIZE = 8
 DEPLOYMENT = "bench-llama-8b"
@@ -67,17 +65,6 @@ class SetupError(RuntimeError):
 
 def _terminate(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds the ExitStack: every process stops
-
-
-def wait_until(what: str, probe: Callable[[], bool], timeout: float, every: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with suppress(httpx.HTTPError, OSError):
-            if probe():
-                return
-        if time.monotonic() >= deadline:
-            raise SetupError(f"{what}: not within {timeout:g} s")
-        time.sleep(every)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,50 +136,17 @@ def database(kind: str, data_dir: Path) -> Iterator[tuple[dict[str, str], str]]:
         admin.dispose()
 
 
-class Service:
-    """`fleetctl serve` with its loops on, in a process group of its own."""
+class Service(ServeProcess):
+    """`fleetctl serve` with its loops on (at their defaults unless told), and its API as the
+    admin."""
 
-    def __init__(self, settings: dict[str, str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-        self.env = env | settings | {"FLEET_RUN_LOOPS": "true", "PYTHONUNBUFFERED": "1"}
-        self.proc: subprocess.Popen[bytes] | None = None
+    def __init__(self, data_dir: Path, settings: dict[str, str], log: Path) -> None:
+        super().__init__("serve", data_dir, settings | {"FLEET_RUN_LOOPS": "true"}, log=log)
         self.token = ""
 
-    def start(self) -> None:
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [str(FLEETCTL), "serve", "--port", str(self.port), "--admin-token"],
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        wait_until(
-            f"the service (log: {self.log})",
-            lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200,
-            60,
-        )
-        for line in self.log.read_text().splitlines():
-            if line.startswith("admin token: "):
-                self.token = line.split(": ", 1)[1].strip()
-        if not self.token:
-            raise SetupError(f"no admin token in {self.log}")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+    def start_as_admin(self) -> None:
+        self.start(admin_token=True, error=SetupError)
+        self.token = self.admin_token(error=SetupError)
 
     def api(self, method: str, path: str, **kwargs: Any) -> Any:
         headers = {"Authorization": f"Bearer {self.token}", **kwargs.pop("headers", {})}
@@ -266,27 +220,21 @@ def measure(count: int, args: argparse.Namespace, workdir: Path) -> Figures:
             settings["FLEET_PROVISION_INTERVAL_S"] = str(args.provision_interval)
         if args.heartbeat_interval is not None:
             settings["FLEET_HEARTBEAT_INTERVAL_S"] = str(args.heartbeat_interval)
-        service = Service(settings, workdir / "serve.log")
+        service = Service(workdir / "data", settings, workdir / "serve.log")
         stack.callback(service.stop)
-        service.start()
+        service.start_as_admin()
         engine = db.make_engine(url)
         stack.callback(engine.dispose)
-        colo = VirtualColo(
+        colo = start_lab(
+            service.url,
+            service.token,
             inventory(count),
             workdir / "lab",
-            token_for=cli._lab_token_maker(engine),
-            fleet_url=service.url,
+            token_for=lab_token_maker(engine),
             boot_delay_s=args.boot_delay,
             agent_env={"FLEET_STANDIN_LOAD_S": str(args.load)},
         )
         stack.callback(colo.down)  # before the service stops: agents go first
-        colo.up()
-        service.api(
-            "POST",
-            "/inventory/import",
-            content=colo.rewritten_yaml().encode(),
-            headers={"Content-Type": "application/yaml"},
-        )
         for _ in range(10):  # a server the reconciler reads right now is busy: again
             reports = service.api("POST", "/verify", json={"select": {"state": "enrolled"}})
             if not reports["failed"]:

@@ -8,7 +8,6 @@ table and on `Create`/`Update` as `SecretStr`; no `Public` model has a field tha
 from __future__ import annotations
 
 import json
-import math
 import re
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -18,9 +17,9 @@ import sqlalchemy as sa
 from annotated_types import MaxLen
 from pydantic import (
     AfterValidator,
-    AllowInfNan,
     BeforeValidator,
     SecretStr,
+    StrictBool,
     StringConstraints,
     WithJsonSchema,
     model_validator,
@@ -29,8 +28,46 @@ from sqlalchemy.engine import Dialect
 from sqlmodel import Field, SQLModel
 from sqlmodel._compat import SQLModelConfig
 
+from fleet.calendar.entry_spec import ScheduleEntryCreate as ScheduleEntryCreate
 from fleet.lifecycle.states import OPERATOR_TARGETS, ServerState
-from fleet_agent.engine.command import (
+from fleet.lifecycle.states import PowerState as PowerState
+from fleet.validation import (
+    INT32_MAX as INT32_MAX,
+)
+from fleet.validation import (
+    MAX_REPLICAS as MAX_REPLICAS,
+)
+from fleet.validation import (
+    MAX_SLA_MS as MAX_SLA_MS,
+)
+from fleet.validation import (
+    MAX_WATTS as MAX_WATTS,
+)
+from fleet.validation import (
+    NAME_HELP as NAME_HELP,
+)
+from fleet.validation import (
+    NAME_PATTERN as NAME_PATTERN,
+)
+from fleet.validation import (
+    Int as Int,
+)
+from fleet.validation import (
+    ModelUris as ModelUris,
+)
+from fleet.validation import (
+    Number as Number,
+)
+from fleet.validation import (
+    OptInt as OptInt,
+)
+from fleet.validation import (
+    OptNumber as OptNumber,
+)
+from fleet.validation import (
+    exactly_one_of as exactly_one_of,
+)
+from fleet_core.engine_command import (
     BACKENDS,
     BOOL_FLAGS,
     FLOAT_FLAGS,
@@ -40,6 +77,11 @@ from fleet_agent.engine.command import (
     YAML_KEYS,
     check_engine_params,
 )
+
+# The agent's verdict and a GPU's health are the core's types (fleet_core: the fault policy and
+# the agent's reports); the server and GPU rows store them.
+from fleet_core.fault_policy import Verdict as Verdict
+from fleet_core.wire import GpuHealth as GpuHealth
 
 
 def utcnow() -> datetime:
@@ -126,50 +168,6 @@ def _enum(enum: type[StrEnum], **kw: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Numbers a client sends: JSON numbers only, finite, and within their column
-#
-# pydantic's lax mode takes `true` for 1 and "1e3" for 1000.0 (`{"replicas": false}` pinned a
-# deployment at 0), and lets inf and NaN through (`max_w: .inf` committed +Inf watts). Postgres
-# INTEGER columns are 32-bit: a larger value fails the INSERT (a 500), so every integer field
-# carries its bound and the 422 names the field. Query and path parameters arrive as text:
-# they are plain `int`s with bounds (fleet/api/routes/).
-
-INT32_MAX = 2**31 - 1
-# Replica counts and budgets: far beyond any fleet, far within a column.
-MAX_REPLICAS = 100_000
-# Watts of one server or GPU: far beyond any (a DGX draws 10.2 kW), and a rack's sum of them
-# stays finite.
-MAX_WATTS = 1_000_000.0
-# A latency SLA: from 1 ms to a day.
-MAX_SLA_MS = 86_400_000.0
-
-
-def _integer(value: Any) -> Any:
-    if isinstance(value, bool | str):
-        raise ValueError("must be an integer")
-    return value
-
-
-def _number(value: Any) -> Any:
-    if isinstance(value, bool | str):
-        raise ValueError("must be a number")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("must be a finite number")
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_integer)]
-OptInt = Annotated[int | None, BeforeValidator(_integer)]
-Number = Annotated[float, BeforeValidator(_number), AllowInfNan(False)]
-OptNumber = Annotated[float | None, BeforeValidator(_number)]
-# Model URIs a server holds in its local cache (placement prefers those): bounded like a
-# deployment's `model_uri`, and in number.
-ModelUris = Annotated[
-    list[Annotated[str, StringConstraints(min_length=1, max_length=1000)]], MaxLen(256)
-]
-
-
-# ---------------------------------------------------------------------------------------------
 # Enumerations
 
 
@@ -199,35 +197,12 @@ class Pool(StrEnum):
     WARM = "warm"
 
 
-class PowerState(StrEnum):
-    ON = "on"
-    OFF = "off"
-    UNKNOWN = "unknown"
-
-
-class Verdict(StrEnum):
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"
-    UNHEALTHY = "unhealthy"
-
-
-class GpuHealth(StrEnum):
-    UNKNOWN = "unknown"
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"
-    UNHEALTHY = "unhealthy"
-
-
 class Role(StrEnum):
     ADMIN = "admin"
     OPERATOR = "operator"
     VIEWER = "viewer"
     ROUTER = "router"  # a viewer that may also report its load (fleet/router/)
     AGENT = "agent"
-
-
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
-NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +348,7 @@ class Server(ServerBase, table=True):
     agent_ready: bool | None = None
     agent_draining: bool = Field(default=False, sa_column_kwargs={"server_default": sa.false()})
     replicas: list[dict[str, Any]] = _json(list)
-    # Provisioning (fleet/provisioning/workflows.py): how the current boot goes ("power_on",
+    # Provisioning (fleet/provisioning/tick.py): how the current boot goes ("power_on",
     # "cycle",
     # "resume"), when it began, the write-ahead marks of power commands (committed before the
     # BMC call, so a crash never leads to a second command), why it drains or failed, fault
@@ -420,23 +395,6 @@ class ServerCreate(ServerBase):
     rack: str
     bmc_password: SecretStr | None = None
     models_cached: ModelUris = Field(default_factory=list)
-
-
-def exactly_one_of(*fields: str) -> dict[str, Any]:
-    """The JSON schema of a model's rule "exactly one of these fields, not null" (the others
-    left out or null), so that the schema refuses what the model refuses."""
-    return {
-        "oneOf": [
-            {
-                "required": [given],
-                "properties": {
-                    other: {"not": {"type": "null"}} if other == given else {"type": "null"}
-                    for other in fields
-                },
-            }
-            for given in fields
-        ]
-    }
 
 
 def _null_only_where_nullable(schema: dict[str, Any], cls: type) -> None:
@@ -488,7 +446,8 @@ class ServerUpdate(_Update):
     bmc_username: str | None = Field(default=None, max_length=100, min_length=1)
     bmc_password: SecretStr | None = None
     bmc_system_id: str | None = Field(default=None, max_length=255)
-    bmc_plain_http: bool | None = None
+    # StrictBool: a JSON `0` or `"yes"` is refused (422), as the schema says, not read as false.
+    bmc_plain_http: StrictBool | None = None
     models_cached: ModelUris | None = None
 
 
@@ -606,7 +565,7 @@ def deployment_rule_problems(
     return problems
 
 
-# engine_params: what the agent will run (fleet_agent/engine/command.py turns them into the
+# engine_params: what the agent will run (fleet_core/engine_command.py turns them into the
 # trtllm-serve command line). The fleet refuses what the agent would refuse, with the agent's
 # own check, and bounds their size: every routing table and deployment listing carries them.
 MAX_ENGINE_PARAMS_BYTES = 16 * 1024
@@ -827,29 +786,6 @@ class ScalingDecision(SQLModel, table=True):
 # The scheduled-scaling calendar (fleet/calendar/)
 
 
-class ScheduleEntryCreate(SQLModel):
-    """A calendar entry as an operator writes it: from each firing of `cron` (in `timezone`)
-    until `end_cron`'s next firing or for `duration_s`, at least `min_replicas`."""
-
-    model_config = SQLModelConfig(
-        extra="forbid", json_schema_extra=exactly_one_of("end_cron", "duration_s")
-    )
-
-    deployment: str = Field(max_length=63)
-    cron: str = Field(min_length=1, max_length=200)
-    timezone: str = Field(default="UTC", min_length=1, max_length=64)
-    min_replicas: Int = Field(ge=1, le=MAX_REPLICAS)
-    end_cron: str | None = Field(default=None, min_length=1, max_length=200)
-    duration_s: OptInt = Field(default=None, gt=0, le=366 * 24 * 3600)
-    note: str = Field(default="", max_length=500)
-
-    @model_validator(mode="after")
-    def _one_end(self) -> ScheduleEntryCreate:
-        if (self.end_cron is None) == (self.duration_s is None):
-            raise ValueError("give exactly one end: end_cron (a cron expression) or duration_s")
-        return self
-
-
 class ScheduleEntry(SQLModel, table=True):
     __tablename__ = "schedule_entry"
 
@@ -873,7 +809,7 @@ class ScheduleEntry(SQLModel, table=True):
 class RouterReport(SQLModel, table=True):
     """A router's latest view of one deployment: requests waiting in it and the latency its
     clients see. The autoscaler adds the waiting to the engines' queues and takes the worse of
-    the router's and the engines' p95 (fleet/autoscaler/policy.py, `aggregate`)."""
+    the router's and the engines' p95 (fleet/autoscaler/signals.py, `aggregate`)."""
 
     __tablename__ = "router_report"
     __table_args__ = (sa.UniqueConstraint("router", "deployment"),)

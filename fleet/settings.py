@@ -107,7 +107,7 @@ class Settings(BaseSettings):
     # hangs at `shutdown_timeout_s` after the signal, the process exits anyway.
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     shutdown_timeout_s: float = Field(default=8.0, gt=0)
-    # Provisioning (fleet/provisioning/workflows.py), a tick of the leader every
+    # Provisioning (fleet/provisioning/tick.py), a tick of the leader every
     # `provision_interval_s`.
     # Deadlines: large GPU servers take 10-15 min to POST (docs/hardware.md), then the GPU stack.
     provision_interval_s: float = Field(default=5.0, gt=0)

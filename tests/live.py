@@ -36,11 +36,11 @@ from fleet.api.app import create_app
 from fleet.auth import create_token, hash_token
 from fleet.data import DEMO_INVENTORY
 from fleet.db import session_scope
+from fleet.lab.harness import free_port
 from fleet.models import ApiToken, Role, utcnow
 from fleet.power.budget import Feed
 from fleet.settings import Settings, get_settings
 
-ROOT = Path(__file__).resolve().parent.parent
 DEMO_INVENTORY = DEMO_INVENTORY
 YAML = {"Content-Type": "application/yaml"}
 START_TIMEOUT_S = 15.0
@@ -126,12 +126,8 @@ def live_settings(engine: Engine, data_dir: Path, **overrides: Any) -> Settings:
     )
 
 
-def closed_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+# A port on 127.0.0.1 that nothing listens on: one the harness found free (bound, released).
+closed_port = free_port
 
 
 @contextmanager

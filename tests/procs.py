@@ -1,11 +1,9 @@
-"""Process checks for tests that watch child processes come and go (not a test module)."""
+"""Process checks for tests that watch child processes come and go (not a test module). The
+fleet's own children (`fleetctl serve`, `fleetctl router run`) are fleet/lab/harness.py's, which
+also stops them."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-from contextlib import suppress
 from pathlib import Path
 
 
@@ -17,15 +15,3 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in {"Z", "X"}
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to a child's process group (started with start_new_session), then SIGKILL if it
-    has not ended within 10 s."""
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)

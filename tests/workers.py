@@ -1,13 +1,17 @@
-"""How `./run test` spreads the suite over pytest-xdist workers.
+"""How `./run test` spreads the suite over pytest-xdist workers, keyed on a test's folder.
 
-The modules in ONE_AT_A_TIME run a whole world in real processes (a service, a colo of
-emulated BMCs, agents, engines, a router) and watch it in real time. Their tests form one
-unit of work: they run one after another on one worker while the other workers take the rest,
-test by test. Two of them at once would share this machine's two cores with each other's
-control loops, and their waits are sized for one.
+- tests/unit/: no processes of their own (SQLite and Postgres, the ASGI app in-process): spread
+  test by test.
+- tests/e2e/: real peers (BMC emulators, engine stand-ins, a router, a service as a child):
+  each module is one unit of work, so its peers start once per worker.
+- tests/e2e/worlds/: a whole world in real processes (a service, a colo of emulated BMCs,
+  agents, engines, a router) watched in real time. Together they form one unit of work: they
+  run one after another on one worker while the other workers take the rest. Two of them at
+  once would share this machine's two cores with each other's control loops, and their waits
+  are sized for one.
 
-This is xdist's `loadgroup` with the group decided here, from the node id, rather than by an
-`xdist_group` mark: loadgroup carries the mark by rewriting node ids, which pytest 9.2's
+This is xdist's `loadgroup` with the group decided here, from the node id's folder, rather than
+by an `xdist_group` mark: loadgroup carries the mark by rewriting node ids, which pytest 9.2's
 structured ids no longer allow (pytest-xdist issue #1386), so the mark is silently ignored.
 """
 
@@ -15,29 +19,21 @@ from __future__ import annotations
 
 from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
-ONE_AT_A_TIME = frozenset(
-    {
-        "test_agent_daemon.py",
-        "test_autoscaler_e2e.py",
-        "test_calendar_e2e.py",
-        "test_demo.py",
-        "test_lab.py",
-        "test_leader.py",
-        "test_load.py",
-        "test_prometheus.py",
-        "test_provisioning_e2e.py",
-        "test_schemathesis.py",
-        "test_secrets.py",
-        "test_tls.py",
-    }
-)
+E2E_FOLDER = "e2e"
+WORLDS_FOLDER = "worlds"
 GROUP = "one-at-a-time"
 
 
 def scope_of(nodeid: str) -> str:
-    """The unit of work a test belongs to: GROUP, or the test alone."""
-    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    return GROUP if module in ONE_AT_A_TIME else nodeid
+    """The unit of work a test belongs to: GROUP (tests/e2e/worlds/), its module (tests/e2e/),
+    or the test alone (tests/unit/)."""
+    path = nodeid.split("::", 1)[0]
+    *folders, _module = path.split("/")
+    if WORLDS_FOLDER in folders:
+        return GROUP
+    if E2E_FOLDER in folders:
+        return path
+    return nodeid
 
 
 class OneAtATimeScheduling(LoadScopeScheduling):  # type: ignore[misc]

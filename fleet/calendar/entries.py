@@ -11,11 +11,11 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from fleet.calendar.cron import CronError, parse
-from fleet.calendar.plan import Lead, Spec, Window, windows
+from fleet.calendar.entry_spec import ScheduleEntryCreate, check_fits, checked_spec
+from fleet.calendar.plan import Lead, Window, windows
 from fleet.calendar.service import lead_for, spec_of
-from fleet.errors import FleetError, NotFoundError
-from fleet.models import Deployment, Event, ScheduleEntry, ScheduleEntryCreate, utcnow
+from fleet.errors import NotFoundError
+from fleet.models import Deployment, Event, ScheduleEntry, utcnow
 from fleet.settings import Settings
 
 MAX_PREVIEW = 500
@@ -33,28 +33,6 @@ def _entry(session: Session, entry_id: int) -> ScheduleEntry:
     if row is None:
         raise NotFoundError(f"no calendar entry {entry_id}")
     return row
-
-
-def checked_spec(spec: ScheduleEntryCreate) -> Spec:
-    """The entry's schedule, or FleetError (400) saying which expression is wrong and how."""
-    try:
-        start = parse(spec.cron, spec.timezone)
-        end = parse(spec.end_cron, spec.timezone) if spec.end_cron else None
-    except CronError as exc:
-        raise FleetError(str(exc)) from None
-    checked = Spec(start, end, float(spec.duration_s) if spec.duration_s else None)
-    if start.next_after(utcnow()) is None:
-        raise FleetError(f"cron {spec.cron!r} never fires again")
-    return checked
-
-
-def check_fits(spec: ScheduleEntryCreate, max_replicas: int) -> None:
-    """FleetError (400) when the entry's minimum is above its deployment's maximum."""
-    if spec.min_replicas > max_replicas:
-        raise FleetError(
-            f"min_replicas {spec.min_replicas} is above deployment {spec.deployment!r}'s "
-            f"max_replicas {max_replicas}: raise its max_replicas first"
-        )
 
 
 def public(

@@ -53,7 +53,7 @@ FAULT_XID = 79  # "GPU has fallen off the bus": fatal, the agent drains itself
 # starts about a minute after the spike; then a server every down window.
 WIND_DOWN_S = 90.0
 # Set in this process, inherited by every process the demo starts (service, router, emulators,
-# agents, engines; none of them strips it): `tests/test_demo.py` finds leftovers by it.
+# agents, engines; none of them strips it): `tests/e2e/worlds/test_demo.py` finds leftovers by it.
 MARKER = "FLEETDEMO_DIR"
 
 
@@ -346,7 +346,7 @@ def _keep(world: World, say: Callable[[str], None]) -> None:
         f"{world.router_url}/v1; Ctrl-C stops everything"
     )
     with contextlib.suppress(KeyboardInterrupt):
-        while all(child.alive() for child in world.children):
+        while all(child.running for child in world.children):
             time.sleep(1.0)
 
 

@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    StrictBool,
     StringConstraints,
     ValidationError,
     WithJsonSchema,
@@ -81,7 +82,7 @@ class BmcIn(_Strict):
     system_id: Annotated[str, StringConstraints(max_length=255)] | None = None
     # Redfish over http:// (the password in clear): only for a BMC without TLS, such as the
     # lab's emulators; without it an http address is refused (fleet/bmc/redfish.py).
-    plain_http: bool = False
+    plain_http: StrictBool = False
 
 
 class GpuIn(_Strict):
@@ -161,7 +162,7 @@ class SlaIn(_Strict):
 class DeploymentIn(_Strict):
     name: Name
     model: ModelRefIn
-    # Checked as the agent checks them (fleet_agent/engine/command.py) and bounded in size.
+    # Checked as the agent checks them (fleet_core/engine_command.py) and bounded in size.
     engine: EngineParams = Field(default_factory=dict)
     gpus_per_replica: Int = Field(default=1, ge=1, le=64)
     gpu_models: GpuModelNames = Field(default_factory=list)

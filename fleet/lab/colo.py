@@ -14,9 +14,10 @@ own process group and working directory; when it powers off, that process group 
 
 How power changes are learnt:
 - Redfish: every system has `external_notifier=True`, so sushy PUTs the system's JSON to a tiny
-  receiver here when a Reset is *requested* (`pending_power` with `apply_time`) and when it is
-  applied (a new `power_state`). sushy applies a change only on the first read after its
-  apply time, so the lab reads the system at that time: the real hardware would act then too.
+  receiver (fleet/lab/notices.py) when a Reset is *requested* (`pending_power` with
+  `apply_time`) and when it is applied (a new `power_state`). sushy applies a change only on the
+  first read after its apply time, so the lab reads the system at that time: the real hardware
+  would act then too.
 - IPMI: the chassis_control program of each ipmi_sim writes `chassis.power` and appends to
   `chassis.log`; one watcher thread polls their stat() every `watch_interval_s` for all sims.
 - Both: a bounded reconcile reads the emulators' truth every `reconcile_interval_s`.
@@ -26,58 +27,68 @@ there are no races between a notice, a boot timer and a power-off. Agents are st
 long-lived thread on purpose: PR_SET_PDEATHSIG fires when the *thread* that forked the child
 exits, not only the process.
 
-Cleanup when the lab process dies without running `down()` (SIGKILL, a crash):
-- agents get PR_SET_PDEATHSIG=SIGKILL (Linux; set with prctl in the child before exec);
-- a tiny sentinel process (stdlib only) holds a pipe from the lab: when the pipe closes, however
-  the lab ended, it SIGTERMs, then SIGKILLs every process group the lab registered with it
-  (emulators, agents and whatever an agent started in its group) and removes the emulators'
-  temporary directories. The emulator classes take no preexec hook, hence the sentinel.
+Cleanup when the lab process dies without running `down()` (SIGKILL, a crash): the agents die
+with it (PR_SET_PDEATHSIG) and a sentinel process stops every process group it registered
+(fleet/lab/processes.py). `workdir/lab.json` is written and read by fleet/lab/state.py.
 """
 
 from __future__ import annotations
 
 import atexit
-import base64
-import contextlib
-import ctypes
 import functools
 import heapq
 import itertools
-import json
 import logging
 import os
 import queue
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid as uuid_mod
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fleet.errors import FleetError
 from fleet.inventory.schema import InventoryFile, ServerIn, parse_inventory
+from fleet.lab import LabError
 from fleet.lab.ipmi_sim import IpmiSim
+from fleet.lab.notices import NoticeServer
+from fleet.lab.processes import (
+    HOST,
+    ProcRef,
+    Sentinel,
+    Usage,
+    child_exited,
+    die_with_parent,
+    free_port_block,
+    signal_group,
+    usage_of,
+)
+from fleet.lab.state import (
+    STATE_FILE,
+    STATE_VERSION,
+    ServerStatus,
+    bmc_endpoint,
+    chassis_power,
+    inject_fault,
+    proc_record,
+    status_from_state,
+    write_state,
+)
 from fleet.lab.sushy import FakeSystem, SushyEmulator, free_port
 from fleet.models import BmcProtocol
 
 log = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 # LAB-ONLY credentials for the emulators the lab starts (never for real hardware). ipmi_sim
 # takes passwords of at most 19 characters.
 LAB_USERNAME = "admin"
@@ -89,246 +100,9 @@ DEFAULT_BOOT_DELAY_S = 20.0
 WATCH_INTERVAL_S = 0.2
 RECONCILE_INTERVAL_S = 30.0
 STOP_GRACE_S = 3.0
-READY_TIMEOUT_S = 0.5
-BMC_READ_TIMEOUT_S = 3.0
 APPLY_MARGIN_S = 0.25  # sushy applies at int(apply_time) <= time.time(): read a little later
 IPMI_START_WORKERS = 12
-STATE_FILE = "lab.json"
-STATE_VERSION = 1
-MAX_NOTICE_BYTES = 1 << 20
 AGENT_POLL_S = 1.0  # how often the controller looks for agents that exited on their own
-
-
-class LabError(FleetError):
-    """A lab operation that cannot be done; the message says what to do instead."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes: identity, death with the parent, groups
-
-
-_PR_SET_PDEATHSIG = 1
-_prctl: Any = None
-if sys.platform == "linux":  # resolved here: the child of fork() should only call it
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-    _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    _prctl.restype = ctypes.c_int
-
-
-# Engine ports come from below the kernel's ephemeral range (Linux: 32768-60999), so that no
-# outgoing connection of another process can take one between our check and the engine's bind.
-_BLOCK_RANGE = (20_000, 32_000)
-
-
-def free_port_block(count: int, attempts: int = 200) -> int:
-    """A base port with `count` free 127.0.0.1 TCP ports from it, outside the ephemeral range
-    (a bounded random search)."""
-    rng = random.Random()
-    low, high = _BLOCK_RANGE
-    for _ in range(attempts):
-        base = rng.randrange(low, high - count)
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind((HOST, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise LabError(f"no block of {count} free ports on {HOST} in {low}-{high}")
-
-
-def die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A preexec_fn: SIGKILL this child when the thread that forked it exits (Linux only)."""
-    if _prctl is None:
-        return None
-
-    def preexec() -> None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0)
-        if os.getppid() != parent:  # the lab died before prctl: nobody would kill us later
-            os._exit(1)
-
-    return preexec
-
-
-@dataclass(frozen=True, slots=True)
-class ProcRef:
-    """A process by pid AND start time (clock ticks after boot), so a reused pid never matches."""
-
-    pid: int
-    start: int
-
-    @classmethod
-    def of(cls, pid: int) -> ProcRef | None:
-        stat = _proc_stat(pid)
-        return None if stat is None else cls(pid, int(stat[19]))
-
-    def alive(self) -> bool:
-        stat = _proc_stat(self.pid)
-        return stat is not None and int(stat[19]) == self.start and stat[0] not in ("Z", "X")
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat from field 3 (state) on: index 2 pgid, 11-14 CPU ticks, 19 start."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()
-
-
-def _rss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _exited(pid: int) -> bool:
-    """Has child `pid` exited? Not reaped: while it is a zombie its pgid cannot be reused."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
-_SENTINEL = r"""
-import os, shutil, signal, sys, time
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the lab's terminal is the lab's
-groups = {}
-for line in sys.stdin:  # until EOF: the lab closed the pipe, or died
-    op, _, rest = line.rstrip("\n").partition(" ")
-    pgid, _, path = rest.partition(" ")
-    if op == "+":
-        groups[int(pgid)] = path
-    elif op == "-":
-        groups.pop(int(pgid), None)
-def alive(g):
-    try:
-        os.killpg(g, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-def send(sig):
-    for g in groups:
-        try:
-            os.killpg(g, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-send(signal.SIGTERM)
-deadline = time.monotonic() + float(sys.argv[1])
-while any(alive(g) for g in groups) and time.monotonic() < deadline:
-    time.sleep(0.05)
-send(signal.SIGKILL)
-for path in groups.values():
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
-"""
-
-
-class _Sentinel:
-    """The process that cleans up after the lab when the lab dies (see the module doc)."""
-
-    def __init__(self, grace: float) -> None:
-        self._lock = threading.Lock()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _SENTINEL, str(grace)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # it must outlive the lab, and a terminal's signals
-        )
-        self.ref = ProcRef.of(self._proc.pid)
-
-    def watch(self, pgid: int, cleanup_dir: Path | None = None) -> None:
-        self._send(f"+ {pgid} {cleanup_dir or ''}")
-
-    def forget(self, pgid: int) -> None:
-        self._send(f"- {pgid}")
-
-    def _send(self, line: str) -> None:
-        with self._lock:
-            stdin = self._proc.stdin
-            if stdin is None or stdin.closed:
-                return
-            try:
-                stdin.write(line.encode() + b"\n")
-                stdin.flush()
-            except BrokenPipeError:
-                log.warning("lab sentinel is gone: processes may outlive a crash of the lab")
-
-    def close(self, timeout: float) -> None:
-        """Close the pipe (the sentinel stops what is still registered) and reap it."""
-        with self._lock:
-            if self._proc.stdin is not None and not self._proc.stdin.closed:
-                with contextlib.suppress(BrokenPipeError):
-                    self._proc.stdin.close()
-        try:
-            self._proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=5)
-
-
-# ---------------------------------------------------------------------------------------------
-# Public records
-
-
-@dataclass(frozen=True, slots=True)
-class ServerStatus:
-    """One server as the lab sees it now. `power` is what its EMULATOR reports ("on", "off",
-    or "unknown" when it does not answer); `booting` means powered on, agent not started yet."""
-
-    name: str
-    rack: str
-    protocol: str
-    bmc: str
-    power: str
-    booting: bool
-    agent_pid: int | None
-    agent_url: str | None
-    agent_ready: bool | None
-    power_w: float
-    error: str | None = None  # why no agent runs on a powered-on server (token, exit status)
-
-
-@dataclass(frozen=True, slots=True)
-class ProcUsage:
-    processes: int = 0
-    cpu_s: float = 0.0  # user + system, including reaped children of these processes
-    rss_bytes: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """The lab's own cost (its process and sentinel), its emulators' and its agents'."""
-
-    lab: ProcUsage
-    emulators: ProcUsage
-    agents: ProcUsage
-
-    @property
-    def total(self) -> ProcUsage:
-        parts = (self.lab, self.emulators, self.agents)
-        return ProcUsage(
-            sum(p.processes for p in parts),
-            sum(p.cpu_s for p in parts),
-            sum(p.rss_bytes for p in parts),
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,46 +154,6 @@ class _Stopping:
     proc: subprocess.Popen[bytes]
     kill_at: float
     killed: bool = False
-
-
-# ---------------------------------------------------------------------------------------------
-# The Redfish notice receiver
-
-
-class _NoticeHandler(BaseHTTPRequestHandler):
-    server: _NoticeServer
-
-    def do_PUT(self) -> None:  # sushy sends every notice as a PUT of the system's JSON
-        length = int(self.headers.get("Content-Length") or 0)
-        if not 0 < length <= MAX_NOTICE_BYTES:
-            self.send_error(413 if length else 411)
-            return
-        try:
-            body = json.loads(self.rfile.read(length))
-        except ValueError:
-            self.send_error(400, "not JSON")
-            return
-        if isinstance(body, dict):
-            self.server.on_notice(body)
-        self.send_response(204)
-        self.end_headers()
-
-    do_POST = do_PUT
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("notice receiver: " + format, *args)
-
-
-class _NoticeServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, on_notice: Callable[[dict[str, Any]], None]) -> None:
-        super().__init__((HOST, 0), _NoticeHandler)
-        self.on_notice = on_notice
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.server_address[1]}/notify"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,8 +221,8 @@ class VirtualColo:
         self._nodes = self._plan(inventory)
         self._by_uuid = {n.system_id: n for n in self._nodes.values() if n.system_id}
         self._sushy: SushyEmulator | None = None
-        self._notices: _NoticeServer | None = None
-        self._sentinel: _Sentinel | None = None
+        self._notices: NoticeServer | None = None
+        self._sentinel: Sentinel | None = None
         self._emulators: list[dict[str, Any]] = []  # kind, pid, start (+ url or server)
         self._emulators_lock = threading.Lock()
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -543,7 +277,7 @@ class VirtualColo:
         try:
             for node in self._nodes.values():
                 node.workdir.mkdir(parents=True, exist_ok=True)
-            self._sentinel = _Sentinel(self.stop_grace_s)
+            self._sentinel = Sentinel(self.stop_grace_s)
             self._start_emulators()
             self._controller = threading.Thread(
                 target=self._run_controller, name="lab-controller", daemon=True
@@ -566,7 +300,7 @@ class VirtualColo:
         redfish = [n for n in self._nodes.values() if n.redfish]
         ipmi = [n for n in self._nodes.values() if not n.redfish]
         if redfish:
-            self._notices = _NoticeServer(self._on_notice)
+            self._notices = NoticeServer(self._on_notice)
             threading.Thread(
                 target=self._notices.serve_forever,
                 kwargs={"poll_interval": 0.5},  # only shutdown() waits on it
@@ -616,7 +350,7 @@ class VirtualColo:
         if self._sentinel is not None:
             self._sentinel.watch(pid, directory)
         with self._emulators_lock:
-            self._emulators.append({**about, **_ref_dict(pid)})
+            self._emulators.append({**about, **proc_record(pid)})
 
     def down(self) -> None:
         """Stop agents (their process groups), emulators, receiver, watcher; idempotent."""
@@ -802,15 +536,15 @@ class VirtualColo:
         node.agent, node.agent_ref, node.agent_url = None, None, None
         if proc is None:
             return
-        _signal_group(proc.pid, signal.SIGTERM)
+        signal_group(proc.pid, signal.SIGTERM)
         self._stopping.append(_Stopping(proc, time.monotonic() + self.stop_grace_s))
 
     def _reap_stopping(self) -> None:
         now = time.monotonic()
         for stopping in list(self._stopping):
             pid = stopping.proc.pid
-            if _exited(pid):
-                _signal_group(pid, signal.SIGKILL)  # anything it left in its group
+            if child_exited(pid):
+                signal_group(pid, signal.SIGKILL)  # anything it left in its group
                 stopping.proc.wait(timeout=5)
                 self._stopping.remove(stopping)
                 if self._sentinel is not None:
@@ -819,7 +553,7 @@ class VirtualColo:
                 log.info(
                     "agent pid %d still up %g s after SIGTERM: SIGKILL", pid, self.stop_grace_s
                 )
-                _signal_group(pid, signal.SIGKILL)
+                signal_group(pid, signal.SIGKILL)
                 stopping.killed = True
 
     def _poll_agents(self) -> None:
@@ -829,9 +563,9 @@ class VirtualColo:
         with self._state_lock:
             for node in self._nodes.values():
                 proc = node.agent
-                if proc is None or not _exited(proc.pid):
+                if proc is None or not child_exited(proc.pid):
                     continue
-                _signal_group(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
                 code = proc.wait(timeout=5)
                 if self._sentinel is not None:
                     self._sentinel.forget(proc.pid)
@@ -878,7 +612,7 @@ class VirtualColo:
                 if node.redfish and sushy_answers:
                     self._read_redfish(node)
                 elif node.sim is not None:
-                    power = _chassis_power(node.sim.dir)
+                    power = chassis_power(node.sim.dir)
                     if power is not None:
                         self._set_power(node, power)
             except (OSError, RuntimeError) as exc:
@@ -903,7 +637,7 @@ class VirtualColo:
                 key = (power_stat.st_mtime_ns, power_stat.st_size, log_size)
                 if seen.get(node.name) == key:
                     continue
-                power = _chassis_power(directory)
+                power = chassis_power(directory)
                 if power is None:  # caught mid-write: look again next time
                     continue
                 seen[node.name] = key
@@ -953,7 +687,7 @@ class VirtualColo:
         return proc.pid if proc is not None else None
 
     def bmc_endpoint(self, server: str) -> str:
-        return _endpoint(self._server_state(self._node(server)))
+        return bmc_endpoint(self._server_state(self._node(server)))
 
     def state(self) -> dict[str, Any]:
         """What lab.json holds: enough for `fleetctl lab status|inject|down` in another process
@@ -965,7 +699,7 @@ class VirtualColo:
             servers = {n.name: self._server_state(n) for n in self._nodes.values()}
         return {
             "version": STATE_VERSION,
-            "lab": _ref_dict(os.getpid()),
+            "lab": proc_record(os.getpid()),
             "workdir": str(self.workdir),
             "fleet_url": self.fleet_url,
             "boot_delay_s": self.boot_delay_s,
@@ -1021,7 +755,7 @@ class VirtualColo:
         with self._state_lock:
             agents = {n.agent.pid for n in self._nodes.values() if n.agent is not None}
             agents |= {s.proc.pid for s in self._stopping}
-        return _usage(lab, emulators, agents)
+        return usage_of(lab, emulators, agents)
 
     def set_power_behind_our_back(self, server: str, on: bool) -> None:
         """Press the server's power button at its emulator, as an operator with another tool
@@ -1081,163 +815,6 @@ class _NoAliases(yaml.SafeDumper):
         return True
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading the lab from its state (this process or `fleetctl lab ...` in another)
-
-
-def write_state(path: Path, state: Mapping[str, Any]) -> None:
-    """Atomically, mode 0600 (it holds the lab's emulator password)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(state, out, indent=1)
-    os.replace(tmp, path)
-
-
-def load_state(workdir: Path | str) -> dict[str, Any]:
-    """lab.json of a running lab in `workdir`; LabError when there is none."""
-    path = Path(workdir) / STATE_FILE
-    try:
-        state: dict[str, Any] = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LabError(
-            f"no lab in {workdir} (no {path}): start one with `fleetctl lab up`"
-        ) from None
-    except ValueError:
-        raise LabError(f"{path} is not a lab state file (not JSON)") from None
-    if state.get("version") != STATE_VERSION:
-        raise LabError(f"{path}: state file version {state.get('version')!r} not understood")
-    return state
-
-
-def lab_running(state: Mapping[str, Any]) -> bool:
-    return _ref(state.get("lab")) is not None and _alive(state.get("lab"))
-
-
-def recorded_processes(state: Mapping[str, Any]) -> list[tuple[str, ProcRef]]:
-    """Every process lab.json names: the lab, its sentinel, emulators and agents."""
-    found: list[tuple[str, ProcRef]] = []
-    for what, value in (("lab", state.get("lab")), ("sentinel", state.get("sentinel"))):
-        ref = _ref(value)
-        if ref is not None:
-            found.append((what, ref))
-    for emulator in state.get("emulators", []):
-        ref = _ref(emulator)
-        if ref is not None:
-            found.append((f"{emulator.get('kind')} {emulator.get('server', '')}".strip(), ref))
-    for name, server in state.get("servers", {}).items():
-        ref = _ref(server.get("agent"))
-        if ref is not None:
-            found.append((f"agent of {name}", ref))
-    return found
-
-
-def status_from_state(state: Mapping[str, Any]) -> list[ServerStatus]:
-    """Live status of every server named in `state`: BMC reads and /readyz in parallel."""
-    credentials = (str(state.get("username")), str(state.get("password")))
-    servers = list(state.get("servers", {}).items())
-    if not servers:
-        return []
-    with ThreadPoolExecutor(min(8, len(servers))) as pool:
-        return list(pool.map(lambda item: _status_of(item[0], item[1], credentials), servers))
-
-
-def _status_of(name: str, entry: Mapping[str, Any], credentials: tuple[str, str]) -> ServerStatus:
-    agent = entry.get("agent")
-    alive = agent is not None and _alive(agent)
-    url = agent.get("url") if alive and agent else None
-    return ServerStatus(
-        name=name,
-        rack=str(entry.get("rack")),
-        protocol=str(entry.get("protocol")),
-        bmc=_endpoint(entry),
-        power=_emulator_power(entry, credentials),
-        booting=bool(entry.get("booting")),
-        agent_pid=int(agent["pid"]) if alive and agent else None,
-        agent_url=url,
-        agent_ready=_ready(url) if url else None,
-        power_w=float(entry.get("power_w") or 0.0),
-        error=entry.get("error"),
-    )
-
-
-def inject_fault(server: str, entry: Mapping[str, Any], fault: Mapping[str, Any]) -> dict[str, Any]:
-    """POST one fault to the agent in `entry` (a server of lab.json); LabError if it cannot."""
-    if not entry.get("on"):
-        raise LabError(f"{server} is powered off: power it on first (no agent runs on it)")
-    agent = entry.get("agent")
-    if entry.get("booting") or agent is None:
-        why = "still booting" if entry.get("booting") else entry.get("error") or "not started"
-        raise LabError(f"{server}: its agent is not up ({why}); try again shortly")
-    url = f"{agent['url']}/faults"
-    headers = {"Content-Type": "application/json"}
-    if agent.get("key"):  # /faults needs the agent's key (the lab gave it at start)
-        headers["Authorization"] = f"Bearer {agent['key']}"
-    request = urllib.request.Request(
-        url, data=json.dumps(dict(fault)).encode(), headers=headers, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=BMC_READ_TIMEOUT_S) as resp:
-            body: dict[str, Any] = json.loads(resp.read() or b"{}")
-            return body
-    except urllib.error.HTTPError as exc:
-        raise LabError(f"{server}: the agent refused the fault: {_detail(exc)}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise LabError(
-            f"{server}: its agent at {agent['url']} does not answer ({reason})"
-        ) from None
-
-
-def _detail(exc: urllib.error.HTTPError) -> str:
-    try:
-        body = json.loads(exc.read())
-        return str(body.get("detail", body))
-    except (ValueError, AttributeError, OSError):
-        return f"HTTP {exc.code}"
-
-
-def _endpoint(entry: Mapping[str, Any]) -> str:
-    if entry.get("protocol") == BmcProtocol.REDFISH.value:
-        return f"{entry.get('url')}/redfish/v1/Systems/{entry.get('system_id')}"
-    return f"ipmi://{entry.get('address')}:{entry.get('port')}"
-
-
-def _emulator_power(entry: Mapping[str, Any], credentials: tuple[str, str]) -> str:
-    """As the emulator says it: a Redfish GET of the system (which, like any read, lets sushy
-    apply a pending change), or the ipmi_sim chassis_control program's power file."""
-    if entry.get("protocol") == BmcProtocol.REDFISH.value:
-        token = base64.b64encode(":".join(credentials).encode()).decode()
-        request = urllib.request.Request(
-            _endpoint(entry),
-            headers={"Authorization": f"Basic {token}", "Accept": "application/json"},
-        )
-        # Twice at most: one read can fail while the emulator is busy (seen once in CI right
-        # after a fleet import had probed every system); one failure is not "unknown".
-        for attempt in range(2):
-            try:
-                with urllib.request.urlopen(request, timeout=BMC_READ_TIMEOUT_S) as resp:
-                    state = json.loads(resp.read()).get("PowerState")
-                return {"On": "on", "Off": "off"}.get(str(state), "unknown")
-            except (OSError, ValueError):
-                if attempt:
-                    return "unknown"
-        return "unknown"
-    directory = entry.get("chassis_dir")
-    power = _chassis_power(Path(directory)) if directory else None
-    return "unknown" if power is None else "on" if power else "off"
-
-
-def _chassis_power(directory: Path | None) -> bool | None:
-    if directory is None:
-        return None
-    try:
-        text = (directory / "chassis.power").read_text().strip()
-    except OSError:
-        return None
-    return {"1": True, "0": False}.get(text)
-
-
 def _new_lines(path: Path, offset: int) -> tuple[list[str], int]:
     """Complete lines appended to `path` since `offset`, and the new offset."""
     try:
@@ -1248,61 +825,6 @@ def _new_lines(path: Path, offset: int) -> tuple[list[str], int]:
         return [], offset
     end = data.rfind(b"\n") + 1
     return data[:end].decode(errors="replace").splitlines(), offset + end
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/readyz", timeout=READY_TIMEOUT_S) as resp:
-            return int(resp.status) == 200
-    except (OSError, ValueError):
-        return False  # 503 (not ready) lands here too, as an HTTPError
-
-
-def _ref_dict(pid: int) -> dict[str, int]:
-    ref = ProcRef.of(pid)
-    return asdict(ref) if ref is not None else {"pid": pid, "start": -1}
-
-
-def _ref(value: Any) -> ProcRef | None:
-    if isinstance(value, Mapping) and isinstance(value.get("pid"), int):
-        return ProcRef(int(value["pid"]), int(value.get("start", -1)))
-    return None
-
-
-def _alive(value: Any) -> bool:
-    ref = _ref(value)
-    return ref is not None and ref.alive()
-
-
-def _usage(lab: set[int], emulators: set[int], agents: set[int]) -> Usage:
-    """Sum /proc figures: `lab` by pid, emulators and agents by process group."""
-    tick = os.sysconf("SC_CLK_TCK")
-    totals: dict[str, list[float]] = {k: [0, 0.0, 0] for k in ("lab", "emulators", "agents")}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        stat = _proc_stat(pid)
-        if stat is None:
-            continue
-        pgid = int(stat[2])
-        kind = (
-            "lab"
-            if pid in lab
-            else "emulators"
-            if pgid in emulators
-            else "agents"
-            if pgid in agents
-            else None
-        )
-        if kind is None:
-            continue
-        ticks = sum(int(v) for v in stat[11:15])  # utime stime cutime cstime
-        totals[kind][0] += 1
-        totals[kind][1] += ticks / tick
-        totals[kind][2] += _rss_bytes(pid)
-    parts = {k: ProcUsage(int(v[0]), float(v[1]), int(v[2])) for k, v in totals.items()}
-    return Usage(parts["lab"], parts["emulators"], parts["agents"])
 
 
 def _now() -> str:

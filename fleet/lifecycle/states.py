@@ -10,6 +10,14 @@ from __future__ import annotations
 from enum import StrEnum
 
 
+class PowerState(StrEnum):
+    """What a server's BMC last said of its power (`Server.power_state`)."""
+
+    ON = "on"
+    OFF = "off"
+    UNKNOWN = "unknown"
+
+
 class ServerState(StrEnum):
     ENROLLED = "enrolled"
     WARM = "warm"

@@ -29,7 +29,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlmodel import Session, col, func, select
 
-from fleet.autoscaler.policy import RULES
+from fleet.autoscaler.signals import RULES
 from fleet.lifecycle.states import ServerState
 from fleet.models import Autopilot, Deployment, Pool, Rack, ScalingDecision, Server, Site
 
@@ -146,7 +146,7 @@ def warm_pool_families(session: Session) -> list[Metric]:
 
 
 def autopilot_families(session: Session) -> list[Metric]:
-    """The autopilot's pause and breaker (fleet/provisioning/workflows.py), read without creating
+    """The autopilot's pause and breaker (fleet/provisioning/autopilot.py), read without creating
     the row."""
     row = session.get(Autopilot, 1)
     paused = GaugeMetricFamily(

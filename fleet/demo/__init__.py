@@ -1,0 +1,1 @@
+"""`fleetctl demo`: the whole fleet on the embedded default, in a few minutes (docs/demo.md)."""

@@ -1,0 +1,188 @@
+"""fleet.autoscaler.service on both databases: heartbeat stats in, targets and decisions out.
+
+The policy itself is table-tested in tests/unit/test_autoscaler_policy.py; here a clock is stepped
+through the windows and the database shows what the autoscaler did and why.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from factories import add_rack, add_server, add_site
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from fleet.autoscaler.service import History, autoscale_once, status
+from fleet.lifecycle.states import ServerState
+from fleet.models import Deployment, Event, Pool, ScalingDecision, Server
+from fleet.provisioning.autopilot import set_paused
+from fleet.settings import Settings
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def settings() -> Settings:
+    return Settings(
+        autoscale_up_window_s=60.0,
+        autoscale_down_window_s=300.0,
+        autoscale_cooldown_down_s=0.0,
+        heartbeat_interval_s=5.0,
+    )
+
+
+@pytest.fixture
+def deployment(session: Session) -> str:
+    site = add_site(session, "s1")
+    rack = add_rack(session, site, "r1")
+    dep = Deployment(
+        name="llama",
+        model_uri="s3://m/llama-8b",
+        model_checksum="sha256:1",
+        engine_params={"backend": "pytorch"},
+        gpus_per_replica=8,
+        gpu_models=["H100"],
+        min_replicas=1,
+        max_replicas=6,
+        sla_p95_latency_ms=2000,
+        sla_ttft_ms=500,
+        target_servers=2,
+    )
+    session.add(dep)
+    session.commit()
+    for i in range(2):
+        server = add_server(
+            session,
+            rack,
+            f"gpu{i}",
+            "serving",
+            u_position=1 + 8 * i,
+            bmc_system_id=f"gpu{i}",
+            pool=Pool.WARM,
+        )
+        server.deployment_id = dep.id
+        session.add(server)
+    for i in range(2, 5):
+        add_server(
+            session,
+            rack,
+            f"gpu{i}",
+            "warm",
+            u_position=1 + 8 * i,
+            bmc_system_id=f"gpu{i}",
+            pool=Pool.WARM,
+        )
+    session.commit()
+    return dep.name
+
+
+def load(db: Engine, at: datetime, queued_per_replica: int, kv: float = 0.3) -> None:
+    """What the serving servers' heartbeats would say at `at`."""
+    with Session(db) as session:
+        for server in session.exec(select(Server).where(Server.state == ServerState.SERVING)):
+            server.last_heartbeat_at = at
+            server.replicas = [
+                {
+                    "index": 0,
+                    "state": "ready",
+                    "queued": queued_per_replica,
+                    "running": 8,
+                    "kv_used_fraction": kv,
+                    "ttft_p95_s": 0.1,
+                    "e2e_p95_s": 0.5,
+                }
+            ]
+            session.add(server)
+        session.commit()
+
+
+def run(
+    db: Engine, history: History, start: datetime, seconds: int, queued: int, step: int = 15
+) -> datetime:
+    at = start
+    for _ in range(0, seconds, step):
+        load(db, at, queued)
+        autoscale_once(db, settings(), history, now=lambda at=at: at)  # type: ignore[misc]
+        at += timedelta(seconds=step)
+    return at
+
+
+def target(db: Engine, name: str) -> int:
+    with Session(db) as session:
+        return session.exec(select(Deployment).where(Deployment.name == name)).one().target_servers
+
+
+def decisions(db: Engine) -> list[ScalingDecision]:
+    with Session(db) as session:
+        rows = list(session.exec(select(ScalingDecision).order_by(col(ScalingDecision.id))))
+        for row in rows:
+            session.expunge(row)
+        return rows
+
+
+def test_sustained_queue_scales_up_and_records_why(db: Engine, deployment: str) -> None:
+    history = History.new(3600)
+    # 8 GPUs per server, 200 queued per server: 25 per GPU, 2.5x the target of 10.
+    at = run(db, history, T0, 45, queued=200)
+    assert target(db, deployment) == 2  # not sustained for the up window yet
+    run(db, history, at, 60, queued=200)
+    assert target(db, deployment) > 2
+    up = [d for d in decisions(db) if d.target_after > d.target_before]
+    assert up and up[0].rule in ("queue_high", "trend")
+    assert up[0].inputs and "queue_per_gpu" in str(up[0].inputs)
+    with Session(db) as session:
+        events = session.exec(select(Event).where(Event.kind == "deployment.scaled")).all()
+    assert events and "target 2 →" in events[0].message
+
+
+def test_missing_heartbeats_never_scale_down(db: Engine, deployment: str) -> None:
+    history = History.new(3600)
+    at = T0
+    for _ in range(40):  # 10 minutes with no fresh heartbeat at all
+        autoscale_once(db, settings(), history, now=lambda at=at: at)  # type: ignore[misc]
+        at += timedelta(seconds=15)
+    assert target(db, deployment) == 2
+    assert decisions(db)[-1].rule == "no_data"
+
+
+def test_an_idle_deployment_scales_down_after_the_down_window(db: Engine, deployment: str) -> None:
+    history = History.new(3600)
+    at = run(db, history, T0, 240, queued=0)
+    assert target(db, deployment) == 2  # under the down window
+    run(db, history, at, 120, queued=0)
+    assert target(db, deployment) == 1  # never below min_replicas (1 server)
+
+
+def test_pinned_and_paused(db: Engine, deployment: str, session: Session) -> None:
+    dep = session.exec(select(Deployment)).one()
+    dep.pinned_replicas = 4
+    session.add(dep)
+    session.commit()
+    history = History.new(3600)
+    run(db, history, T0, 30, queued=0)
+    assert target(db, deployment) == 4  # 1 replica per 8-GPU server: 4 servers
+    assert decisions(db)[-1].rule == "pinned"
+    with Session(db) as s:
+        set_paused(s, True, "operator:test", "freeze")
+    dep.pinned_replicas = 1
+    session.add(dep)
+    session.commit()
+    run(db, history, T0 + timedelta(minutes=5), 30, queued=0)
+    assert target(db, deployment) == 4  # paused: nothing moves
+
+
+def test_status_shows_the_signals_of_now_not_of_the_last_decision(
+    db: Engine, deployment: str
+) -> None:
+    history = History.new(3600)
+    at = run(db, history, T0, 45, queued=200)  # 25 per GPU: over the target, not yet for long
+    decision = decisions(db)[-1]
+    assert decision.inputs["queue_per_gpu"] == 25.0
+    load(db, at, queued_per_replica=16)  # the queue falls to 2 per GPU; no tick since
+    with Session(db) as session:
+        [row] = status(session, settings(), at)
+        assert row["signals"]["queue_per_gpu"] == 2.0
+        assert row["signals"]["serving_gpus"] == 16 and row["last_rule"] == decision.rule
+        # heartbeats older than three intervals say nothing about now
+        [row] = status(session, settings(), at + timedelta(seconds=16))
+        assert row["signals"]["queue_per_gpu"] is None
