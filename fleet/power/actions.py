@@ -175,6 +175,20 @@ def load_servers(engine: Engine, names: Sequence[str]) -> dict[str, tuple[Server
     return found
 
 
+# Only power-ons draw inrush current; reads and power-offs need no spacing.
+SPACED: frozenset[Action] = frozenset({"on", "cycle"})
+
+
+def power_stagger(settings: Settings, *, spaced: bool) -> Stagger:
+    """The bounds of bulk BMC actions (operator power, the provisioner's tick): `bmc_workers`
+    at once; power-ons (`spaced`) at most `power_on_per_rack` per rack, a delay apart."""
+    return Stagger(
+        workers=settings.bmc_workers,
+        per_rack=settings.power_on_per_rack if spaced else None,
+        rack_delay=settings.power_on_rack_delay_s if spaced else 0.0,
+    )
+
+
 def power(
     engine: Engine,
     box: SecretBox,
@@ -193,13 +207,7 @@ def power(
     names = list(dict.fromkeys(names))  # a server named twice is acted on once
     found = load_servers(engine, names)
     if stagger is None:
-        # Only power-ons draw inrush current; reads and power-offs need no spacing.
-        spaced = action in ("on", "cycle")
-        stagger = Stagger(
-            workers=settings.bmc_workers,
-            per_rack=settings.power_on_per_rack if spaced else None,
-            rack_delay=settings.power_on_rack_delay_s if spaced else 0.0,
-        )
+        stagger = power_stagger(settings, spaced=action in SPACED)
 
     def job(server: Server) -> Callable[[], ActionResult | PowerState]:
         return lambda: act_on(engine, box, settings, server, action, actor, drivers=drivers)

@@ -24,6 +24,13 @@ transaction through `fleet.lifecycle.transitions.transition` (compare-and-set, a
   breaker opens and no automatic drain or cycle happens until an operator resumes; the
   autopilot can be paused altogether (both in fleet/provisioning/autopilot.py); after a leader
   change, silence counts only after `leader_grace_s`.
+
+The steps decide on BMC actions and do not wait for them: each step commits its write-ahead
+mark and queues the action; the tick then runs them all at once through `run_bulk`, under the
+same bounds as an operator's bulk power (`power_stagger`: `bmc_workers` at once, power-ons at
+most `power_on_per_rack` per rack, `power_on_rack_delay_s` apart), and applies each outcome in
+the tick's own thread before capacity counts. 32 boots behind 1 s BMCs take seconds, not 32 round
+trips one after another, and a rack's inrush stays bounded.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -38,12 +46,13 @@ from sqlmodel import Session, col, select
 
 from fleet.bmc import BmcError, PowerDriver, driver_for
 from fleet.bmc.base import Action, ActionResult, BmcTarget
+from fleet.bmc.bulk import Job, Outcome, run_bulk
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Pool, PowerState, Rack, Server, utcnow
-from fleet.power.actions import ServerBusy, act_on
+from fleet.power.actions import SPACED, ServerBusy, act_on, power_stagger
 from fleet.provisioning import placement, quality_probe
 from fleet.provisioning.autopilot import check_breaker, get_autopilot
 from fleet.provisioning.boots import ACTIVE, boot_spares, placement_lock, rack_rooms, start_boot
@@ -68,6 +77,19 @@ class TickReport:
     moves: list[str] = field(default_factory=list)
     power_actions: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PowerCall:
+    """A BMC action a step decided on, run with the tick's others (`ProvisionTick._send_power`).
+    `on_busy`: another power action held the server, nothing went out (None: nothing to undo);
+    `on_error`: the BMC call failed, with its one-line message."""
+
+    server: Server
+    rack: str
+    action: Action
+    on_error: Callable[[str], None]
+    on_busy: Callable[[], None] | None = None
 
 
 def provision_once(
@@ -110,15 +132,22 @@ class ProvisionTick:
         self.leader_since = leader_since
         self.ask_agent: quality_probe.AskAgent | None = None
         self.now = utcnow()
+        self.pending: list[PowerCall] = []  # the steps' BMC actions, sent by `_send_power`
 
     def run(self) -> None:
-        for name, state in self._servers():
-            try:
-                self._step(name, state)
-            except (ConflictError, ServerBusy):
-                continue  # someone else moved it this instant: next tick
-            except FleetError as exc:
-                self.report.errors.append(f"{name}: {exc}")
+        try:
+            for name, state in self._servers():
+                try:
+                    self._step(name, state)
+                except (ConflictError, ServerBusy):
+                    continue  # someone else moved it this instant: next tick
+                except FleetError as exc:
+                    self.report.errors.append(f"{name}: {exc}")
+        finally:
+            # Even after a step's bug: the queued actions' write-ahead marks are committed, so
+            # they go out (a cycle's mark is never retried). Before capacity: a boot the BMC
+            # refused fails now and is replaced in this tick.
+            self._send_power()
         try:
             self._hold_capacity()
         except FleetError as exc:
@@ -170,20 +199,77 @@ class ProvisionTick:
     def _elapsed(self, since: datetime | None) -> float:
         return (self.now - since).total_seconds() if since is not None else 0.0
 
-    def _power(self, name: str, action: Action) -> str | None:
-        """One BMC power action on `name` through the one power path (fleet/power/actions.py:
-        its power lock, the observed fields, the event); None or the error."""
+    def _power(
+        self,
+        name: str,
+        action: Action,
+        on_error: Callable[[str], None] | None = None,
+        on_busy: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue one BMC power action on `name`; `_send_power` runs it. `on_error` (default:
+        the error reported) and `on_busy` run in the tick's thread once it has been tried."""
         with Session(self.engine) as session:
             server = self._load(session, name)
-        try:
-            result = act_on(
-                self.engine, self.box, self.settings, server, action, ACTOR, drivers=self.drivers
+        if on_error is None:
+            on_error = partial(self._report_error, name)
+        # The rack id is the stagger's key: only one rack's power-ons share a slot.
+        self.pending.append(PowerCall(server, str(server.rack_id), action, on_error, on_busy))
+
+    def _report_error(self, name: str, error: str) -> None:
+        self.report.errors.append(f"{name}: {error}")
+
+    def _send_power(self) -> None:
+        """Every queued action at once, through the one power path (fleet/power/actions.py:
+        each server's power lock, the observed fields, the event), bounded like an operator's
+        bulk power; returns once all have ended, their outcomes applied in this thread."""
+        calls, self.pending = self.pending, []
+        jobs = [
+            Job(
+                call.server.name,
+                call.rack,
+                partial(
+                    act_on,
+                    self.engine,
+                    self.box,
+                    self.settings,
+                    call.server,
+                    call.action,
+                    ACTOR,
+                    drivers=self.drivers,
+                ),
+                spaced=call.action in SPACED,
             )
-        except BmcError as exc:
-            return str(exc)
-        assert isinstance(result, ActionResult)  # an action, not a read
-        self.report.power_actions.append(f"{name}: {action} (sent={result.sent})")
-        return None
+            for call in calls
+        ]
+        outcomes = run_bulk(jobs, power_stagger(self.settings, spaced=True))
+        unexpected: Exception | None = None
+        for call, outcome in zip(calls, outcomes, strict=True):
+            try:
+                self._apply(call, outcome)
+            except ConflictError:
+                continue  # someone else moved it this instant: next tick
+            except FleetError as exc:
+                self.report.errors.append(f"{call.server.name}: {exc}")
+            except Exception as exc:  # not a BMC's answer: a bug, raised once the rest is applied
+                unexpected = unexpected or exc
+        if unexpected is not None:
+            raise unexpected
+
+    def _apply(self, call: PowerCall, outcome: Outcome[ActionResult | PowerState]) -> None:
+        error = outcome.error
+        if error is None:
+            result = outcome.value
+            assert isinstance(result, ActionResult)  # an action, not a read
+            self.report.power_actions.append(
+                f"{call.server.name}: {call.action} (sent={result.sent})"
+            )
+        elif isinstance(error, ServerBusy):
+            if call.on_busy is not None:
+                call.on_busy()
+        elif isinstance(error, BmcError):
+            call.on_error(str(error))
+        else:
+            raise error
 
     # -- booting ---------------------------------------------------------------------------
 
@@ -198,22 +284,23 @@ class ProvisionTick:
                 session.add(server)
                 session.commit()
                 action: Action = "cycle" if server.boot_kind == "cycle" else "on"
-                try:
-                    error = self._power(name, action)
-                except ServerBusy:
-                    # Another power action (a reconciler read) holds the server: nothing went
+
+                def busy() -> None:
+                    # Another power action (a reconciler read) held the server: nothing went
                     # out, so the write-ahead mark goes and the next tick tries again.
                     with Session(self.engine) as again:
                         row = self._load(again, name)
                         row.power_on_sent_at = None
                         again.add(row)
                         again.commit()
-                    return
-                if error is not None:
+
+                def failed(error: str) -> None:
                     with Session(self.engine) as again:
                         row = self._load(again, name)
                         self._fail(again, row, f"BMC power {action} failed: {error}")
                         again.commit()
+
+                self._power(name, action, on_error=failed, on_busy=busy)
                 return
             if self._agent_up_since(server, started):
                 if server.deployment_id is None:
@@ -248,9 +335,7 @@ class ProvisionTick:
                 server.power_on_sent_at = self.now
                 session.add(server)
                 session.commit()
-                error = self._power(name, "on")  # reads first: sends nothing if it is on
-                if error is not None:
-                    self.report.errors.append(f"{name}: {error}")
+                self._power(name, "on")  # reads first: sends nothing if it is on
 
     def _agent_up_since(self, server: Server, started: datetime) -> bool:
         if server.boot_kind == "resume":
@@ -407,17 +492,15 @@ class ProvisionTick:
                 server.power_off_sent_at = self.now
                 session.add(server)
                 session.commit()
-                try:
-                    error = self._power(name, "off")
-                except ServerBusy:  # nothing went out: try again next tick
+
+                def busy() -> None:  # nothing went out: try again next tick
                     with Session(self.engine) as again:
                         row = self._load(again, name)
                         row.power_off_sent_at = None
                         again.add(row)
                         again.commit()
-                    return
-                if error is not None:
-                    self.report.errors.append(f"{name}: {error}")
+
+                self._power(name, "off", on_busy=busy)
                 return
             if server.power_state is PowerState.OFF:
                 self._move(session, server, S.WARM, "the BMC reports it off: back in the warm pool")
@@ -438,9 +521,7 @@ class ProvisionTick:
             if waited > self.settings.power_retry_after_s:
                 # A graceful shutdown the OS ignored: read again, force it off if still on.
                 session.close()
-                error = self._power(name, "force_off")
-                if error is not None:
-                    self.report.errors.append(f"{name}: {error}")
+                self._power(name, "force_off")
 
     # -- capacity --------------------------------------------------------------------------
 

@@ -103,6 +103,22 @@ def test_a_stalled_bmc_holds_up_only_itself() -> None:
     assert outcomes[0].value == "late" and all(o.ok for o in outcomes)
 
 
+def test_unspaced_jobs_pass_their_racks_stagger() -> None:
+    """Power-offs beside power-ons in one run (the provisioner's tick): the rack's limit and
+    spacing hold the power-ons only."""
+    tracker = Tracker()
+    ons = jobs_for(tracker, {"r1": 2}, seconds=0.05)
+    offs = [
+        Job(f"r1-off{i}", "r1", lambda: tracker.job("r1", 0.05), spaced=False) for i in range(3)
+    ]
+    outcomes = run_bulk([*ons, *offs], Stagger(workers=32, per_rack=1, rack_delay=0.5))
+    assert all(o.ok for o in outcomes)
+    first, second = sorted(o.started for o in outcomes[:2])
+    assert second - first >= 0.5 - 0.005  # the power-ons: spaced
+    assert all(o.started < second for o in outcomes[2:])  # the others: not held by it
+    assert tracker.peak["r1"] >= 2
+
+
 def test_nothing_to_do() -> None:
     assert run_bulk([]) == []
 
