@@ -79,20 +79,20 @@ class SlowBmc(PowerDriver):
 
     latency: ClassVar[float] = 1.0
     rack_of: ClassVar[dict[str, str]] = {}
-    state: ClassVar[dict[str, PowerState]] = {}
+    power_of: ClassVar[dict[str, PowerState]] = {}
     calls: ClassVar[list[Call]] = []
     lock = threading.Lock()
 
     def power_state(self) -> PowerState:
         with self.lock:
-            return self.state.get(self.target.server, PowerState.OFF)
+            return self.power_of.get(self.target.server, PowerState.OFF)
 
     def _send(self, action: str, want: PowerState) -> ActionResult:
         start = time.monotonic()
         time.sleep(self.latency)
         with self.lock:
-            before = self.state.get(self.target.server, PowerState.OFF)
-            self.state[self.target.server] = want
+            before = self.power_of.get(self.target.server, PowerState.OFF)
+            self.power_of[self.target.server] = want
             self.calls.append(Call(self.target.server, start, time.monotonic()))
         return ActionResult(action, True, before, want)  # type: ignore[arg-type]
 
@@ -229,7 +229,7 @@ def planned(n: int, limit: int, delay: float, latency: float) -> float:
 
 
 def scenario(label: str, settings: Settings, args: argparse.Namespace) -> Figures:
-    SlowBmc.latency, SlowBmc.rack_of, SlowBmc.state, SlowBmc.calls = args.latency, {}, {}, []
+    SlowBmc.latency, SlowBmc.rack_of, SlowBmc.power_of, SlowBmc.calls = args.latency, {}, {}, []
     box = SecretBox(Fernet.generate_key())
     with tempfile.TemporaryDirectory(prefix="fleet-bench-tick-") as tmp:
         engine = db.make_engine(f"sqlite:///{Path(tmp) / 'fleet.db'}")
