@@ -1,6 +1,7 @@
 """Misbehaving BMCs that no emulator can play, shared by the driver and API tests: one that
-never answers (StalledBmc), one that records what reaches it (RecordingBmc), and a Redfish BMC
-with knobs (FakeRedfish)."""
+never answers (StalledBmc), one that records what reaches it (RecordingBmc), a Redfish BMC
+with knobs (FakeRedfish); and ActingBmc, the in-process driver base the provisioning tests'
+fakes build on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,35 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from fleet.bmc.base import ActionResult, BmcInfo, PowerDriver, Sensors
+from fleet.models import PowerState
+
+
+class ActingBmc(PowerDriver):
+    """An in-process PowerDriver whose every power action is one `_send(action, want)`, the
+    state the action leaves the server in: subclasses say how a BMC answers (at once, slowly,
+    refusing) and what they record."""
+
+    def _send(self, action: str, want: PowerState) -> ActionResult:
+        raise NotImplementedError
+
+    def power_on(self) -> ActionResult:
+        return self._send("on", PowerState.ON)
+
+    def power_off(self, force: bool = False) -> ActionResult:
+        return self._send("force_off" if force else "off", PowerState.OFF)
+
+    def power_cycle(self) -> ActionResult:
+        return self._send("cycle", PowerState.ON)
+
+    def identify(self, on: bool = True) -> None: ...
+
+    def info(self) -> BmcInfo:
+        return BmcInfo()
+
+    def sensors(self) -> Sensors:
+        return Sensors()
 
 
 class StalledBmc:

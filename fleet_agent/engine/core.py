@@ -47,8 +47,7 @@ from fleet_core import cost_model
 from fleet_core.cost_model import EngineShape
 
 # The token rule is the core's (the router counts with it too); re-exported for the stand-in.
-from fleet_core.tokens import CHARS_PER_TOKEN
-from fleet_core.tokens import count_tokens as count_tokens
+from fleet_core.tokens import CHARS_PER_TOKEN, count_tokens
 
 FinishReason = Literal["stop", "length"]
 

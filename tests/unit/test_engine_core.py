@@ -16,10 +16,10 @@ from fleet_agent.engine.core import (
     GenerationRequest,
     IterationResult,
     RequestRejected,
-    count_tokens,
     natural_output_tokens,
 )
 from fleet_core import cost_model as cm
+from fleet_core.tokens import count_tokens
 
 
 def make_core(

@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 from factories import TEST_SECRET_KEY, add_rack, add_server, add_site, feed
+from fake_bmcs import ActingBmc
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet.bmc.base import ActionResult, BmcInfo, BmcUnreachable, PowerDriver, Sensors
+from fleet.bmc.base import ActionResult, BmcUnreachable
 from fleet.crypto import SecretBox
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Pool, PowerState, Server, utcnow
@@ -39,7 +40,7 @@ class Crash(BaseException):
     """The process dies right after the BMC got the command (before any database write)."""
 
 
-class Bmc(PowerDriver):
+class Bmc(ActingBmc):
     """A BMC that applies at once. Shared per server name: state, commands received."""
 
     state: dict[str, PowerState] = {}
@@ -64,23 +65,6 @@ class Bmc(PowerDriver):
             self.crash_after_send.discard(self.target.server)
             raise Crash()
         return ActionResult(action, True, before, want)  # type: ignore[arg-type]
-
-    def power_on(self) -> ActionResult:
-        return self._send("on", ON)
-
-    def power_off(self, force: bool = False) -> ActionResult:
-        return self._send("force_off" if force else "off", OFF)
-
-    def power_cycle(self) -> ActionResult:
-        return self._send("cycle", ON)
-
-    def identify(self, on: bool = True) -> None: ...
-
-    def info(self) -> BmcInfo:
-        return BmcInfo()
-
-    def sensors(self) -> Sensors:
-        return Sensors()
 
 
 def settings(**overrides: Any) -> Settings:

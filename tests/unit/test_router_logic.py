@@ -24,7 +24,7 @@ from fleet.router.strategy import (
     make,
 )
 from fleet.router.tokens import max_output, prompt_tokens
-from fleet_agent.engine.core import count_tokens
+from fleet_core.tokens import count_tokens
 
 SMALL = Request("m", prompt_tokens=100, expected_output=50)
 

@@ -18,10 +18,11 @@ from typing import ClassVar
 
 import pytest
 from factories import TEST_SECRET_KEY, add_rack, add_server, add_site, feed
+from fake_bmcs import ActingBmc
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from fleet.bmc.base import ActionResult, BmcInfo, PowerDriver, Sensors
+from fleet.bmc.base import ActionResult
 from fleet.crypto import SecretBox
 from fleet.models import PowerState, Rack, Server
 from fleet.provisioning.tick import provision_once
@@ -48,7 +49,7 @@ class Call:
         return self.server.split("-")[0]
 
 
-class SlowBmc(PowerDriver):
+class SlowBmc(ActingBmc):
     """A BMC that takes LATENCY_S per action and records each call's interval; on a power-on
     it also notes whether the server's write-ahead mark was committed before the call."""
 
@@ -77,23 +78,6 @@ class SlowBmc(PowerDriver):
             if action == "on":
                 self.marked_first[self.target.server] = marked
         return ActionResult(action, True, before, want)  # type: ignore[arg-type]
-
-    def power_on(self) -> ActionResult:
-        return self._send("on", ON)
-
-    def power_off(self, force: bool = False) -> ActionResult:
-        return self._send("force_off" if force else "off", OFF)
-
-    def power_cycle(self) -> ActionResult:
-        return self._send("cycle", ON)
-
-    def identify(self, on: bool = True) -> None: ...
-
-    def info(self) -> BmcInfo:
-        return BmcInfo()
-
-    def sensors(self) -> Sensors:
-        return Sensors()
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,6 @@ from fleet_agent.engine.core import (
     IterationResult,
     RequestRejected,
     TokenOut,
-    count_tokens,
 )
 from fleet_agent.engine.standin.openai_schemas import (
     ChatBody,
@@ -46,6 +45,7 @@ from fleet_agent.engine.standin.openai_schemas import (
 from fleet_agent.engine.standin.prometheus_metrics import PromMetrics
 from fleet_agent.engine.standin.settings import ConfigError, Settings, build_parser, build_settings
 from fleet_core import cost_model
+from fleet_core.tokens import count_tokens
 
 STANDIN_VERSION = "0.1.0"
 STATS_BUFFER = 1000  # iteration stats kept for /metrics between reads
