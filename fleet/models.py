@@ -177,6 +177,14 @@ class RackStatus(StrEnum):
     DECOMMISSIONED = "decommissioned"
 
 
+class BudgetMode(StrEnum):
+    """How a rack's servers commit power (docs/power.md): at their nameplate maximum, or at
+    their measured p99 draw times the rack's margin."""
+
+    NAMEPLATE = "nameplate"
+    MEASURED = "measured"
+
+
 class FeedSide(StrEnum):
     A = "A"
     B = "B"
@@ -232,12 +240,25 @@ class RackBase(SQLModel):
     u_height: Int = Field(default=42, ge=1, le=60)
     status: RackStatus = _enum(RackStatus, default=RackStatus.ACTIVE)
     description: str = Field(default="", max_length=500)
+    # Budget mode and margin (docs/power.md): measured mode commits a powered server at its
+    # measured p99 draw × margin, never below idle nor above its maximum.
+    budget_mode: BudgetMode = _enum(BudgetMode, default=BudgetMode.NAMEPLATE)
+    budget_margin: Number = Field(default=1.15, ge=1.0, le=2.0)
 
 
 class Rack(RackBase, table=True):
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(max_length=63, unique=True, index=True)
     site_id: int = Field(foreign_key="site.id", index=True)
+    # An admin's override of the budget gate (fleet/power/gate.py): shown until the rack's
+    # committed draw is back inside its budget, then cleared by the reconciler.
+    budget_override_reason: str | None = Field(default=None, max_length=500)
+    budget_override_by: str | None = Field(default=None, max_length=100)
+    budget_override_at: datetime | None = _ts(default=None)
+    # The GPU power cap the valve holds on this rack's serving servers (fleet/power/caps.py),
+    # in percent of each GPU's TDP; None: uncapped.
+    gpu_cap_pct: float | None = None
+    gpu_cap_changed_at: datetime | None = _ts(default=None)
     created_at: datetime = _ts(default_factory=utcnow)
     updated_at: datetime = _ts(default_factory=utcnow)
 
@@ -250,6 +271,14 @@ class RackPublic(RackBase):
     committed_w: float
     headroom_w: float
     all_on_w: float
+    drawn_w: float | None  # measured now: Σ servers' latest readings (BMC, else estimate)
+    drawn_estimated_w: float  # the part of drawn_w that is agent-based estimates
+    peak_24h_w: float | None
+    p99_7d_w: float | None
+    budget_override_reason: str | None
+    budget_override_by: str | None
+    budget_override_at: datetime | None
+    gpu_cap_pct: float | None
 
 
 class PowerFeedBase(SQLModel):
@@ -331,6 +360,16 @@ class Server(ServerBase, table=True):
     bmc_failures: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     bmc_checked_at: datetime | None = _ts(default=None)
     power_settle_until: datetime | None = _ts(default=None)
+    # The budget gate's write-ahead commitment (fleet/power/gate.py): a power-on admitted under
+    # the placement lock counts at max draw until then, before the BMC has said it is on.
+    power_committed_until: datetime | None = _ts(default=None)
+    # Measured draw (fleet/power/measure.py): the latest reading, where it came from ("bmc",
+    # or "estimate": the agent's summed GPU power plus the server's idle_w) and when.
+    drawn_w: float | None = None
+    drawn_source: str | None = Field(default=None, max_length=16)
+    drawn_at: datetime | None = _ts(default=None)
+    # The per-GPU power limit the fleet asks of the agent (the cap valve); None: the default.
+    gpu_power_limit_w: float | None = None
     last_heartbeat_at: datetime | None = _ts(default=None)
     health_verdict: Verdict | None = _enum(Verdict, default=None)
     # What the agent reports (fleet/registry/agent_reports.py): who it is, where its local API
@@ -477,6 +516,10 @@ class ServerPublic(ServerBase):
     reboot_count: int
     boot_to_ready_s: float | None
     load_s: float | None
+    drawn_w: float | None
+    drawn_source: str | None
+    drawn_at: datetime | None
+    gpu_power_limit_w: float | None
     bmc_password_set: bool
     created_at: datetime
     updated_at: datetime
@@ -821,3 +864,23 @@ class RouterReport(SQLModel, table=True):
     waiting: int = Field(default=0, ge=0)
     p95_s: float | None = None
     ttft_p95_s: float | None = None
+
+
+class PowerSample(SQLModel, table=True):
+    """One bucket of measured draw for a server or a rack (fleet/power/series.py): the largest
+    and the mean reading within it. Written once per bucket when it closes, so the write rate
+    is servers ÷ bucket width (10,000 servers at 300 s: 33 rows/s), and pruned past the
+    retention (docs/power.md)."""
+
+    __tablename__ = "power_sample"
+    __table_args__ = (sa.UniqueConstraint("kind", "subject", "bucket_start"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    kind: str = Field(max_length=8)  # "server" or "rack"
+    subject: str = Field(max_length=63)
+    bucket_start: datetime = _ts(index=True)
+    bucket_s: float
+    max_w: float
+    mean_w: float
+    samples: int
+    estimated: bool = False  # some reading in it was an agent-based estimate, not a BMC's

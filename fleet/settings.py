@@ -76,6 +76,22 @@ class Settings(BaseSettings):
     # Once Fleet sends a power action, the reconciler leaves the server alone this long (BMCs
     # apply resets seconds late; sushy-tools 1-11 s).
     power_settle_s: float = Field(default=20.0, ge=0)
+    # Rack power (docs/power.md). Measured draw: readings are kept per server and per rack in
+    # buckets of `power_bucket_s` (one row per subject per bucket), server buckets for
+    # `power_server_history_s`, rack buckets for `power_rack_history_s`. Measured mode commits
+    # a server's p99 over `power_measured_window_s` once `power_measured_min_s` of it exists.
+    power_bucket_s: float = Field(default=300.0, gt=0)
+    power_server_history_s: float = Field(default=86_400.0, gt=0)
+    power_rack_history_s: float = Field(default=7 * 86_400.0, gt=0)
+    power_measured_window_s: float = Field(default=86_400.0, gt=0)
+    power_measured_min_s: float = Field(default=3_600.0, ge=0)
+    # The cap valve (fleet/power/caps.py): above `power_cap_high_pct` of a rack's budget drawn,
+    # its serving GPUs are capped, step by step down to `power_cap_floor_pct` of TDP; below
+    # `power_cap_low_pct` the caps are lifted again. At 100 % no new boot enters the rack.
+    power_cap_high_pct: float = Field(default=90.0, gt=0, le=100)
+    power_cap_low_pct: float = Field(default=80.0, gt=0, le=100)
+    power_cap_floor_pct: float = Field(default=50.0, gt=0, le=100)
+    power_cap_step_pct: float = Field(default=10.0, gt=0, le=50)
     # The reconciler: every server's BMC read this often; `reconcile_failures` failed reads in
     # a row mark a BMC unreachable, read then only every `reconcile_unreachable_interval_s`.
     reconcile_interval_s: float = Field(default=60.0, gt=0)
@@ -200,6 +216,8 @@ class Settings(BaseSettings):
             )
         if self.shutdown_timeout_s <= self.shutdown_grace_s:
             raise ValueError("FLEET_SHUTDOWN_TIMEOUT_S must exceed FLEET_SHUTDOWN_GRACE_S")
+        if self.power_cap_low_pct >= self.power_cap_high_pct:
+            raise ValueError("FLEET_POWER_CAP_LOW_PCT must be below FLEET_POWER_CAP_HIGH_PCT")
         return self
 
     @model_validator(mode="after")

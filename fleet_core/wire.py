@@ -77,6 +77,7 @@ class GpuStatus(_Strict):
     memory_total_mib: int | None = Field(default=None, ge=0)
     utilization_pct: float | None = Field(default=None, ge=0, le=100)
     power_w: float | None = Field(default=None, ge=0)
+    power_limit_w: float | None = Field(default=None, ge=0)  # the enforced limit
 
 
 class HealthReason(_Strict):
@@ -145,3 +146,7 @@ class Reply(BaseModel):
     assignment: Assignment = Field(default_factory=lambda: Assignment(kind="none"))
     # Replica URLs of this heartbeat that the fleet dropped (field: why); the agent logs them.
     refused_urls: list[str] = Field(default_factory=list)
+    # The per-GPU power limit the fleet's cap valve asks for (watts; None: the GPU's default).
+    # The agent applies it to every GPU (NVML nvmlDeviceSetPowerManagementLimit), clamped to
+    # what the GPU allows, and reports the enforced limit in its telemetry.
+    gpu_power_limit_w: float | None = Field(default=None, gt=0)

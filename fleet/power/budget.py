@@ -2,8 +2,10 @@
 
 usable watts of a feed = V × A × (√3 for three-phase, V line-to-line) × max utilisation.
 A rack fed from both sides is budgeted at what its smaller side can carry, so losing a whole
-side (a PDU, a UPS, a utility feed) drops nothing. Committed draw counts a server at its
-maximum while it is on or on its way up, and at its standby (BMC-only) draw otherwise.
+side (a PDU, a UPS, a utility feed) drops nothing. Committed draw counts a server at what it
+commits while it is on or on its way up — its maximum in `nameplate` mode, its measured p99 × the
+rack's margin in `measured` mode (`measured_commit_w`) — and at its standby (BMC-only) draw
+otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ class ServerDraw:
     max_w: float
     standby_w: float
     on: bool
+    commit_w: float | None = None  # what it commits while on; None: max_w (nameplate)
+
+    @property
+    def on_w(self) -> float:
+        return self.max_w if self.commit_w is None else self.commit_w
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +75,26 @@ def rack_budget(feeds: Iterable[Feed]) -> float:
 
 
 def committed_watts(servers: Iterable[ServerDraw]) -> float:
-    return sum(s.max_w if s.on else s.standby_w for s in servers)
+    return sum(s.on_w if s.on else s.standby_w for s in servers)
+
+
+def measured_commit_w(
+    p99_w: float | None,
+    history_s: float,
+    *,
+    margin: float,
+    idle_w: float,
+    max_w: float,
+    min_history_s: float,
+) -> float:
+    """What a powered server commits in `measured` mode: its measured p99 draw × `margin`,
+    never below its idle draw nor above its maximum; its maximum (nameplate) until
+    `min_history_s` of history exists, since a server never seen under load is an unknown."""
+    if margin < 1.0:
+        raise ValueError(f"margin must be 1.0 or more, not {margin}")
+    if p99_w is None or history_s < min_history_s:
+        return max_w
+    return min(max_w, max(idle_w, p99_w * margin))
 
 
 def rack_power(feeds: Iterable[Feed], servers: Iterable[ServerDraw]) -> RackPower:
