@@ -6,6 +6,13 @@ history, then a heartbeat, or a registration when the agent is not (or no longer
 registered. When the fleet cannot be reached the agent keeps reading its GPUs and serving its
 local API, backs off with jitter, and registers again once the fleet answers: a fleet restart
 loses nothing.
+
+Power limit: each reply carries the per-GPU limit the fleet's cap valve asks for
+(Reply.gpu_power_limit_w; None: the GPUs' default). When it differs from the last one applied
+(and on the first reply, so a restarted agent never keeps a stale cap) the agent sets it on
+every GPU through the telemetry backend (PowerLimitControl: NVML, the simulated backend); a
+backend that cannot (dcgm) says so once per requested value. Each heartbeat's GPUs carry the
+limit the boards enforce (GpuStatus.power_limit_w).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from fleet_agent import AGENT_VERSION
 from fleet_agent.config import AgentSettings
 from fleet_agent.engine.supervisor import EngineSupervisor
 from fleet_agent.fleet_client import FleetClient, FleetRefused, FleetUnreachable
+from fleet_agent.telemetry import PowerLimitControl, PowerLimitFailed, PowerLimitUnsupported
 from fleet_core.fault_policy import Assessment, RepairAction, Verdict, assess
 from fleet_core.telemetry import GpuSample, GpuTelemetry, Snapshot, XidEvent
 from fleet_core.wire import (
@@ -46,6 +54,7 @@ log = logging.getLogger("fleet_agent.daemon")
 
 # An Xid seen by NVML and again in the kernel log within this many seconds is one event.
 _DUPLICATE_XID_S = 5.0
+_NOT_YET = object()  # no power limit applied since the agent started
 
 
 class XidSource(Protocol):
@@ -63,6 +72,16 @@ class Drain:
     deadline: float
     stopping: threading.Thread | None = None
     done: bool = False
+
+
+@dataclasses.dataclass
+class PowerLimitState:
+    """The fleet's power limit as this agent handled it (shown by /state)."""
+
+    requested_w: float | None = None  # the latest reply's Reply.gpu_power_limit_w
+    applied: dict[int, float] | None = None  # GPU index → limit set, by the last success
+    error: str | None = None  # why the requested limit is not (yet) in force
+    changes: int = 0  # limits applied since start
 
 
 @dataclasses.dataclass
@@ -111,6 +130,8 @@ class Agent:
         self.drain: Drain | None = None
         self._failures = 0
         self._refused_urls: list[str] = []
+        self.power_limit = PowerLimitState()
+        self._power_limit_done: object = _NOT_YET  # the request last applied (or refused for good)
         self.next_report_at = 0.0  # report at once: register first
         self._reported: tuple[object, ...] | None = None
         self._wake = threading.Event()
@@ -276,11 +297,49 @@ class Agent:
             self.fleet_state = reply.state
             self.last_contact = self.clock()
             self.last_error = None
+        self._apply_power_limit(reply.gpu_power_limit_w)
         refused = list(reply.refused_urls)
         if refused != self._refused_urls:  # said once per change, not every heartbeat
             self._refused_urls = refused
             for problem in refused:
                 log.error("the fleet will not route to %s (set engine_host)", problem)
+
+    def _apply_power_limit(self, watts: float | None) -> None:
+        """Set the fleet's per-GPU limit when it changed. A transient failure is tried again at
+        the next reply; a backend that cannot set limits is told once per requested value."""
+        with self._lock:
+            self.power_limit.requested_w = watts
+        if self._power_limit_done is not _NOT_YET and self._power_limit_done == watts:
+            return
+        wanted = "the default" if watts is None else f"{watts:g} W"
+        telemetry = self.telemetry
+        error: str | None = None
+        applied: dict[int, float] | None = None
+        if not isinstance(telemetry, PowerLimitControl):
+            error = f"telemetry {telemetry.name} cannot set GPU power limits"
+        else:
+            try:
+                applied = telemetry.set_power_limit(watts)
+            except PowerLimitUnsupported as exc:
+                error = str(exc)
+            except (PowerLimitFailed, RuntimeError) as exc:
+                with self._lock:
+                    self.power_limit.error = str(exc)
+                log.warning("GPU power limit %s not set, trying again: %s", wanted, exc)
+                return
+        self._power_limit_done = watts
+        with self._lock:
+            self.power_limit.error = error
+            if applied is not None:
+                self.power_limit.applied = applied
+                self.power_limit.changes += 1
+        if error is not None and watts is None:
+            # Nothing asked of a backend that cannot set limits: the boards keep their own.
+            log.info("GPU power limits stay as the boards have them: %s", error)
+        elif error is not None:
+            log.error("GPU power limit %s requested by the fleet NOT applied: %s", wanted, error)
+        else:
+            log.info("GPU power limit %s applied: %s", wanted, _limits_text(applied or {}))
 
     def _failed(self, error: str, *, refused: bool) -> float:
         self.counters.heartbeat_failures += 1
@@ -393,6 +452,7 @@ class Agent:
                 "ready": self.ready,
                 "draining": self.draining,
                 "drain": _drain_view(self.drain),
+                "power_limit": dataclasses.asdict(self.power_limit),
                 "replicas": self.replicas(),
                 "last_contact": _iso(self.last_contact) if self.last_contact else None,
                 "last_error": self.last_error,
@@ -488,6 +548,21 @@ def _gpu_status(gpu: GpuSample, assessment: Assessment | None) -> GpuStatus:
         memory_total_mib=gpu.memory_total_mib,
         utilization_pct=gpu.utilization_pct,
         power_w=gpu.power_w,
+        power_limit_w=gpu.power_limit_w,
+    )
+
+
+def _limits_text(limits: dict[int, float]) -> str:
+    """ "350 W on GPU 0, 1, 2" or "350 W on GPU 0, 1; 400 W on GPU 2" """
+    by_value: dict[float, list[int]] = {}
+    for index, watts in sorted(limits.items()):
+        by_value.setdefault(watts, []).append(index)
+    return (
+        "; ".join(
+            f"{watts:g} W on GPU {', '.join(str(i) for i in indexes)}"
+            for watts, indexes in by_value.items()
+        )
+        or "no GPU"
     )
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 
 from fleet_agent.config import AgentSettings
@@ -13,9 +15,16 @@ from fleet_agent.daemon import Agent, XidSource
 from fleet_agent.engine.supervisor import EngineSupervisor, SupervisorConfig
 from fleet_agent.fleet_client import FleetClient
 from fleet_agent.local_api import LocalApi
+from fleet_agent.telemetry import sim_gpu_state
+from fleet_core.gpus import GPUS
 from fleet_core.telemetry import GpuTelemetry, TelemetryUnavailable
 
 log = logging.getLogger("fleet_agent")
+
+
+def sim_gpu_state_dir(settings: AgentSettings) -> Path:
+    """Where the simulated GPUs and the stand-in engines on them share limits and power."""
+    return settings.work_dir / "simulated-gpus"
 
 
 def build_telemetry(settings: AgentSettings) -> GpuTelemetry:
@@ -40,6 +49,7 @@ def build_telemetry(settings: AgentSettings) -> GpuTelemetry:
         settings.sim_gpus,
         fault_file=settings.sim_fault_file,
         seed=settings.sim_seed,
+        state_dir=sim_gpu_state_dir(settings),
     )
 
 
@@ -65,8 +75,20 @@ def build_supervisor(settings: AgentSettings) -> EngineSupervisor:
         load_timeout_s=settings.engine_load_timeout_s,
         stop_grace_s=settings.engine_stop_grace_s,
         model_root=settings.model_root,
+        extra_env=_simulated_engine_env(settings),
     )
     return EngineSupervisor(config)
+
+
+def _simulated_engine_env(settings: AgentSettings) -> dict[str, str]:
+    """With simulated GPUs the engines are stand-ins: they run "on" those GPUs (their model, their
+    power limits) and report back what they draw (fleet_agent/telemetry/sim_gpu_state.py)."""
+    if settings.telemetry != "simulated":
+        return {}
+    env = {sim_gpu_state.ENV: str(sim_gpu_state_dir(settings).resolve())}
+    if not os.environ.get("FLEET_STANDIN_GPU") and settings.sim_gpu_model.upper() in GPUS:
+        env["FLEET_STANDIN_GPU"] = settings.sim_gpu_model.upper()
+    return env
 
 
 def run(settings: AgentSettings, stop: threading.Event | None = None) -> None:

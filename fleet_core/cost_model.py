@@ -187,11 +187,26 @@ def tp_seconds(shape: EngineShape) -> float:
     return 2 * shape.model.layers * (2 * (t - 1) / t) * ALLREDUCE_S[shape.gpu.interconnect]
 
 
-def iteration_seconds(
+@dataclass(frozen=True, slots=True)
+class IterationSplit:
+    """Where one iteration's time goes on each GPU of the group: the fixed per-iteration cost
+    (launches, sampling), the tensor-parallel all-reduces, streaming weights and KV cache from HBM,
+    and the tensor-core arithmetic. The power model (fleet_core/power_model.py) prices each part."""
+
+    fixed_s: float
+    tp_s: float
+    memory_s: float
+    compute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.fixed_s + self.tp_s + self.memory_s + self.compute_s
+
+
+def iteration_split(
     shape: EngineShape, decode_requests: int, prefill_tokens: int, kv_tokens_read: int
-) -> float:
-    """Duration of one iteration that decodes `decode_requests` tokens, prefills `prefill_tokens`
-    prompt tokens and reads the KV cache of `kv_tokens_read` context tokens."""
+) -> IterationSplit:
+    """The terms of t_iter (module docstring) for one iteration, per GPU of the group."""
     if decode_requests < 0 or prefill_tokens < 0 or kv_tokens_read < 0:
         raise ValueError("counts must be non-negative")
     t = shape.tp_size
@@ -200,7 +215,15 @@ def iteration_seconds(
     memory_s = (weights_read / t + kv_read / t) / (BW_EFFICIENCY * shape.gpu.hbm_bandwidth)
     flops = 2 * (shape.model.active_params / t) * (decode_requests + prefill_tokens)
     compute_s = flops / (FLOPS_EFFICIENCY * shape.gpu.flops(shape.precision))
-    return T_FIX_S + tp_seconds(shape) + memory_s + compute_s
+    return IterationSplit(T_FIX_S, tp_seconds(shape), memory_s, compute_s)
+
+
+def iteration_seconds(
+    shape: EngineShape, decode_requests: int, prefill_tokens: int, kv_tokens_read: int
+) -> float:
+    """Duration of one iteration that decodes `decode_requests` tokens, prefills `prefill_tokens`
+    prompt tokens and reads the KV cache of `kv_tokens_read` context tokens."""
+    return iteration_split(shape, decode_requests, prefill_tokens, kv_tokens_read).total_s
 
 
 def gpu_memory_used_bytes(shape: EngineShape) -> int:

@@ -1,7 +1,8 @@
 """The GPU models the fleet knows: one table of published figures, read by every side.
 
 Figures from docs/hardware.md, "GPUs": bandwidth, TFLOPS and TDP from NVIDIA's H100, H200 and
-L40S datasheets; usable memory and the idle draw range are NVML readings on real boards. The
+L40S datasheets; usable memory and the idle draw range are NVML readings on real boards; the
+lowest power limit from NVIDIA's DGX H100/H200 user guide (L40S: an assumption). The
 inventory (fleet/inventory/gpu_models.py: memory for placement), the engine cost model
 (fleet_core/cost_model.py) and the simulated telemetry (fleet_agent/telemetry/simulated.py) all
 read this table. Pure data: no I/O.
@@ -34,6 +35,11 @@ class GpuSpec:
     tdp_w: float
     idle_w: tuple[float, float]  # observed idle draw range (low, high)
     interconnect: Interconnect
+    # The lowest power limit the board accepts (NVML's power-limit constraints); the highest is
+    # tdp_w, also the default limit. H100/H200: the DGX H100/H200 user guide's Redfish
+    # PowerLimitWatts (AllowableMin 200, DefaultSetPoint 700). L40S: an assumption (no published
+    # figure found), a bit under a third of its TDP.
+    power_limit_min_w: float = 200.0
 
     @property
     def memory_usable_bytes(self) -> int:
@@ -87,6 +93,7 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType(
                 tdp_w=350.0,
                 idle_w=(22.0, 33.0),
                 interconnect="pcie",
+                power_limit_min_w=100.0,
             ),
         )
     }

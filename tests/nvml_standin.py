@@ -52,7 +52,9 @@ class FakeGpu:
     memory_total_mib: int = H100_MEMORY_MIB
     utilization_pct: int = 0
     power_mw: int = 70_315  # idle
-    power_limit_mw: int = H100_TDP_MW
+    power_limit_mw: int = H100_TDP_MW  # enforced (nvmlDeviceGetEnforcedPowerLimit)
+    power_limit_default_mw: int = H100_TDP_MW
+    power_limit_constraints_mw: tuple[int, int] = (200_000, H100_TDP_MW)  # DGX H100 user guide
     ecc_uncorrected_volatile: int = 0
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)  # corr, unc, pending, failure
     clock_reasons: int = 0x1  # nvmlClocksEventReasonGpuIdle
@@ -231,6 +233,22 @@ class NvmlStandIn(types.ModuleType):
 
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
         return self._device("nvmlDeviceGetEnforcedPowerLimit", handle).power_limit_mw
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: Any) -> list[int]:
+        gpu = self._device("nvmlDeviceGetPowerManagementLimitConstraints", handle)
+        return list(gpu.power_limit_constraints_mw)
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: Any) -> int:
+        return self._device(
+            "nvmlDeviceGetPowerManagementDefaultLimit", handle
+        ).power_limit_default_mw
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: Any, limit: int) -> None:
+        gpu = self._device("nvmlDeviceSetPowerManagementLimit", handle)
+        low, high = gpu.power_limit_constraints_mw
+        if not low <= limit <= high:  # as the driver answers an out-of-range limit
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu.power_limit_mw = limit
 
     def nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: int, counter_type: int) -> int:
         gpu = self._device("nvmlDeviceGetTotalEccErrors", handle)

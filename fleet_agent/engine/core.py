@@ -1,7 +1,9 @@
 """The continuous-batching engine of the stand-in, one iteration at a time, without a clock.
 
 `EngineCore.step()` does what one TensorRT-LLM executor iteration does and says how long it took
-according to the cost model (fleet_core/cost_model.py); it never sleeps and never reads the
+according to the cost model (fleet_core/cost_model.py) and what each GPU drew meanwhile
+according to the power model (fleet_core/power_model.py); under a power limit (`power_limit_w`,
+per GPU) the iteration takes the power model's capped time. It never sleeps and never reads the
 wall clock, so the stand-in server (fleet_agent/engine/standin/) drives it in real time and a
 discrete-event simulator can drive it in simulated time with the same code.
 
@@ -43,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fleet_core import cost_model
+from fleet_core import cost_model, power_model
 from fleet_core.cost_model import EngineShape
 
 # The token rule is the core's (the router counts with it too); re-exported for the stand-in.
@@ -136,6 +138,8 @@ class IterationResult:
     tokens: tuple[TokenOut, ...]  # every output token of this iteration, first tokens included
     finished: tuple[Finished, ...]
     stats: dict[str, Any]  # one `/metrics` entry, TensorRT-LLM's field names
+    power_w: float = 0.0  # per GPU of the group, during the iteration (power model)
+    capped: bool = False  # the power limit slowed this iteration down
 
 
 @dataclass
@@ -218,6 +222,9 @@ class EngineCore:
         self._iteration = 0
         self._kv = _KvCounters()
         self._gpu_mem = cost_model.gpu_memory_used_bytes(self.shape)
+        # The per-GPU power limit the GPUs enforce (None: their default, the TDP); the stand-in
+        # sets it from the simulated driver's state.
+        self.power_limit_w: float | None = None
 
     # --- state ----------------------------------------------------------------------------
 
@@ -353,7 +360,9 @@ class EngineCore:
         kv_read = sum(r.cached_tokens for r in decoding) + sum(
             r.computed + chunk for r, chunk in context
         )
-        duration = cost_model.iteration_seconds(self.shape, len(decoding), ctx_tokens, kv_read)
+        split = cost_model.iteration_split(self.shape, len(decoding), ctx_tokens, kv_read)
+        duration, power_w = power_model.capped_split(self.shape.gpu, split, self.power_limit_w)
+        capped = duration > split.total_s
         end = start + duration
         if self._clock is None:
             self._sim_time = end
@@ -393,6 +402,8 @@ class EngineCore:
             tokens=tuple(tokens),
             finished=tuple(finished),
             stats=stats,
+            power_w=power_w,
+            capped=capped,
         )
 
     def _allocate(self, blocks: int) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleet_agent.telemetry import PowerLimitUnsupported
 from fleet_core.telemetry import GpuSample, Snapshot, TelemetryUnavailable, XidEvent
 
 DEFAULT_URL = "http://127.0.0.1:9400/metrics"
@@ -234,6 +235,14 @@ class DcgmTelemetry:
                 "or use --telemetry nvml or simulated"
             )
         self._baseline(first)
+
+    def set_power_limit(self, watts: float | None) -> dict[int, float]:
+        """dcgm-exporter only exports: this backend has no way to set a limit."""
+        raise PowerLimitUnsupported(
+            "dcgm-exporter is read-only, so the dcgm backend cannot set GPU power limits "
+            "(DCGM's host engine can: dcgmi config --set -P; or run the agent with "
+            "--telemetry nvml)"
+        )
 
     def _baseline(self, scrape: DcgmScrape) -> None:
         """The Xid values already there at start happened before us: noted once, not events

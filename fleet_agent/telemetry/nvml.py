@@ -12,6 +12,11 @@ Failure rules (docs/telemetry.md):
 - GPU_IS_LOST / UNKNOWN from a device: that GPU's sample is `lost=True` (identity kept);
 - any other NVML error on a field: None for this snapshot only, with a note; asked again next time.
 
+Power limits (the fleet's cap valve, docs/power.md): `set_power_limit(watts)` sets every GPU's
+limit with nvmlDeviceSetPowerManagementLimit (milliwatts, root only), clamped to
+nvmlDeviceGetPowerManagementLimitConstraints; None restores nvmlDeviceGetPowerManagementDefault-
+Limit. The snapshot's power_limit_w is nvmlDeviceGetEnforcedPowerLimit, what the board enforces.
+
 The pynvml module is injectable so tests can pass a stand-in built from nvidia-ml-py's own
 structures, constants and exception classes (tests/nvml_standin.py).
 """
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
+from fleet_agent.telemetry import PowerLimitFailed, PowerLimitUnsupported
 from fleet_core.telemetry import GpuSample, Snapshot, TelemetryUnavailable, XidEvent
 
 UNAVAILABLE = (
@@ -337,6 +343,49 @@ class NvmlTelemetry:
             f"{name}: {reason} on GPU {_indexes(indexes)}"
             for (name, reason), indexes in sorted(grouped.items())
         ]
+
+    # ---- power limit ------------------------------------------------------------------------
+
+    def set_power_limit(self, watts: float | None) -> dict[int, float]:
+        """Every reachable GPU's power limit to `watts` (None: its default), clamped to the
+        board's constraints. Returns GPU index → the limit set (watts). Raises
+        PowerLimitUnsupported when no GPU accepts a limit (NO_PERMISSION: the agent is not
+        root; NOT_SUPPORTED), PowerLimitFailed when some GPU failed otherwise (the others are
+        set; asking again is worth it). A lost GPU is skipped."""
+        if self._closed:
+            raise RuntimeError("NvmlTelemetry is closed")
+        m = self._nvml
+        done: dict[int, float] = {}
+        refused: list[str] = []
+        failed: list[str] = []
+        for device in self._devices:
+            if device.handle is None:
+                continue  # never attached: snapshots report it, there is nothing to limit
+            h = device.handle
+            try:
+                if watts is None:
+                    target = int(m.nvmlDeviceGetPowerManagementDefaultLimit(h))
+                else:
+                    low, high = (int(v) for v in m.nvmlDeviceGetPowerManagementLimitConstraints(h))
+                    target = min(high, max(low, round(watts * 1000)))
+                m.nvmlDeviceSetPowerManagementLimit(h, target)
+            except self._lost_errors:
+                continue  # a lost GPU draws nothing to limit; the fault policy has it
+            except self._unsupported_errors as exc:
+                refused.append(f"GPU {device.index}: {_error_name(exc)}")
+                continue
+            except self._base_error as exc:  # GPU_IS_LOST among them: that GPU is not set
+                failed.append(f"GPU {device.index}: {_error_name(exc)}")
+                continue
+            done[device.index] = target / 1000
+        if refused and not done and not failed:
+            raise PowerLimitUnsupported("NVML refused the power limit: " + "; ".join(refused))
+        if refused or failed:
+            raise PowerLimitFailed(
+                f"power limit set on GPU {_indexes(list(done)) or 'none'}; not on "
+                + "; ".join(refused + failed)
+            )
+        return done
 
     # ---- Xid events -------------------------------------------------------------------------
 

@@ -17,6 +17,13 @@ Fault kinds (`Fault.kind`), each on one GPU:
     clear             what a GPU reset and driver reload do (see `SimulatedTelemetry.clear`);
                       `gpu=ALL_GPUS` (from_dict's default for "clear") clears every GPU
 
+Power: each GPU draws what the stand-in engine running on it reports through the shared state
+directory (fleet_agent/telemetry/sim_gpu_state.py: power from the phase-aware power model of
+fleet_core/power_model.py, utilisation, memory); without a fresh report it follows the `load()`
+callable (0..1, idle by default). `set_power_limit()` is the simulated nvmlDeviceSetPower-
+ManagementLimit: clamped to the board's range like NVML, reported as power_limit_w, never
+exceeded by the reported power, and written to the state directory so the engines slow down.
+
 Faults arrive through `inject()`/`clear()` (in-process callers, the agent's /faults endpoint,
 tests) or through a JSON fault file that the virtual colo writes and this backend re-reads when
 its mtime or size changes. Each id is applied once, so an Xid fires once though the file stays:
@@ -39,6 +46,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fleet_agent.telemetry import sim_gpu_state
+from fleet_agent.telemetry.sim_gpu_state import GpuActivity
 from fleet_core.gpus import GPUS
 from fleet_core.telemetry import (
     FAULT_KINDS,
@@ -62,6 +71,8 @@ MAX_FAULT_FILE_BYTES = 1 << 20
 MAX_FAULTS_PER_FILE = 1000
 # `Fault.gpu` of a "clear" that names no GPU (what from_dict gives when "gpu" is absent).
 ALL_GPUS = -1
+# An engine's activity report older than this: the engine stopped (or hangs), the GPU idles.
+ACTIVITY_MAX_AGE_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +88,7 @@ class GpuModel:
     slowdown_temp_c: float
     shutdown_temp_c: float
     max_operating_temp_c: float
+    power_limit_min_w: float  # the lowest limit the board accepts; the highest is tdp_w
 
 
 def _documented(
@@ -101,6 +113,7 @@ def _documented(
         slowdown_temp_c=slowdown_temp_c,
         shutdown_temp_c=shutdown_temp_c,
         max_operating_temp_c=max_operating_temp_c,
+        power_limit_min_w=spec.power_limit_min_w,
     )
 
 
@@ -134,7 +147,8 @@ MODELS: dict[str, GpuModel] = {
         max_operating_temp_c=89.0,
     ),
     # A100 SXM4 80GB: not in docs/hardware.md, so every figure here is an assumption: 81,920 MiB
-    # spec, 81,251 MiB usable (as nvidia-smi reports on R5xx drivers), 400 W TDP, idle ~50-60 W.
+    # spec, 81,251 MiB usable (as nvidia-smi reports on R5xx drivers), 400 W TDP, idle ~50-60 W,
+    # lowest power limit 100 W.
     "A100": GpuModel(
         name="NVIDIA A100-SXM4-80GB",
         memory_total_mib=81_251,
@@ -145,6 +159,7 @@ MODELS: dict[str, GpuModel] = {
         slowdown_temp_c=89.0,
         shutdown_temp_c=92.0,
         max_operating_temp_c=85.0,
+        power_limit_min_w=100.0,
     ),
 }
 
@@ -293,6 +308,7 @@ class _GpuState:
     pci_bus_id: str
     idle_w: float
     idle_temp_c: float
+    power_limit_w: float
     ecc_uncorrected: int = 0
     remapped_rows_uncorrectable: int = 0
     remap_pending: bool = False
@@ -321,6 +337,7 @@ class SimulatedTelemetry:
         clock: Callable[[], float] = time.time,
         load: Callable[[], float] | None = None,
         seed: int = 0,
+        state_dir: Path | None = None,
     ) -> None:
         key = model.upper()
         if key not in MODELS:
@@ -340,6 +357,11 @@ class SimulatedTelemetry:
         # A separate stream for per-snapshot noise, so reading does not shift identities.
         self._noise = random.Random(seed ^ 0x5EED)
         self._gpus = [self._new_gpu(i, identity_rng) for i in range(gpus)]
+        # Shared with the stand-in engines (sim_gpu_state): a fresh start has default limits,
+        # whatever a previous agent left there.
+        self._state_dir = state_dir
+        if state_dir is not None:
+            sim_gpu_state.write_limits(state_dir, self.power_limits())
 
     def _new_gpu(self, index: int, rng: random.Random) -> _GpuState:
         return _GpuState(
@@ -348,7 +370,33 @@ class SimulatedTelemetry:
             pci_bus_id=f"00000000:{_bus_number(index):02X}:00.0",
             idle_w=round(rng.uniform(*self.model.idle_w), 1),
             idle_temp_c=round(rng.uniform(*self.model.idle_temp_c), 1),
+            power_limit_w=self.model.tdp_w,
         )
+
+    # -- power limits --------------------------------------------------------------------------
+
+    def power_limits(self) -> dict[int, float]:
+        with self._lock:
+            return {state.index: state.power_limit_w for state in self._gpus}
+
+    def set_power_limit(self, watts: float | None) -> dict[int, float]:
+        """The simulated nvmlDeviceSetPowerManagementLimit on every GPU: clamped to the board's
+        [power_limit_min_w, tdp_w] (None: the default, the TDP). The engines read it from the
+        state directory and slow down; reported power never exceeds it."""
+        model = self.model
+        limit = (
+            model.tdp_w
+            if watts is None
+            else min(model.tdp_w, max(model.power_limit_min_w, float(watts)))
+        )
+        with self._lock:
+            for state in self._gpus:
+                if not state.lost:  # NVML cannot set a limit on a lost GPU either
+                    state.power_limit_w = limit
+            limits = {state.index: state.power_limit_w for state in self._gpus}
+            if self._state_dir is not None:
+                sim_gpu_state.write_limits(self._state_dir, limits)
+        return limits
 
     # -- fault injection ---------------------------------------------------------------------
 
@@ -515,6 +563,11 @@ class SimulatedTelemetry:
         value = float(self._load())
         return 0.0 if math.isnan(value) else min(1.0, max(0.0, value))
 
+    def _activity(self, state: _GpuState, now: float) -> GpuActivity | None:
+        if self._state_dir is None:
+            return None
+        return sim_gpu_state.read_activity(self._state_dir, state.index, now, ACTIVITY_MAX_AGE_S)
+
     def _temperature(self, state: _GpuState, load: float, now: float, noise: float) -> float:
         if state.ramp is not None:
             return state.ramp.value(now)
@@ -532,9 +585,24 @@ class SimulatedTelemetry:
                 pci_bus_id=state.pci_bus_id,
                 lost=True,
             )
+        activity = self._activity(state, now)
+        noise = self._noise.uniform(-1.5, 1.5)
+        if activity is not None:
+            # What the engine on this GPU drew; its idle floor is this board's own idle draw.
+            power = max(activity.power_w, state.idle_w) + noise
+            load = (power - state.idle_w) / (model.tdp_w - state.idle_w)
+            utilization = activity.busy * 100.0
+            memory_used = activity.memory_used_mib
+        else:
+            power = state.idle_w + load * (model.tdp_w - state.idle_w) + noise
+            utilization = load * 100.0
+            # An idle GPU shows a few MiB; a serving engine takes up to ~92 % (KV cache fraction).
+            memory_used = int(4 + load * 0.92 * model.memory_total_mib)
+        load = min(1.0, max(0.0, load))
         temperature = round(self._temperature(state, load, now, self._noise.uniform(-0.5, 0.5)), 1)
-        power = state.idle_w + load * (model.tdp_w - state.idle_w) + self._noise.uniform(-1.5, 1.5)
         clock_bits = state.clock_bits
+        if activity is not None and activity.capped:
+            clock_bits |= int(ClockEvent.SW_POWER_CAP)  # as NVML reports a GPU held at its limit
         if temperature >= model.slowdown_temp_c:
             clock_bits |= THERMAL_SLOWDOWN_BITS  # real GPUs raise both at the slowdown threshold
         return GpuSample(
@@ -546,12 +614,12 @@ class SimulatedTelemetry:
             slowdown_temp_c=model.slowdown_temp_c,
             shutdown_temp_c=model.shutdown_temp_c,
             max_operating_temp_c=model.max_operating_temp_c,
-            # An idle GPU shows a few MiB; a serving engine takes up to ~92 % (KV cache fraction).
-            memory_used_mib=int(4 + load * 0.92 * model.memory_total_mib),
+            memory_used_mib=min(memory_used, model.memory_total_mib),
             memory_total_mib=model.memory_total_mib,
-            utilization_pct=round(load * 100.0, 1),
-            power_w=round(min(model.tdp_w, max(1.0, power)), 1),
-            power_limit_w=model.tdp_w,
+            utilization_pct=round(utilization, 1),
+            # Never past the enforced limit: the board clocks down to hold it.
+            power_w=round(min(state.power_limit_w, max(1.0, power)), 1),
+            power_limit_w=state.power_limit_w,
             ecc_uncorrected_volatile=state.ecc_uncorrected,
             remapped_rows_correctable=0,
             remapped_rows_uncorrectable=state.remapped_rows_uncorrectable,

@@ -25,6 +25,9 @@ from repo_paths import ROOT
 
 from fleet.lab.harness import free_port, wait_for
 from fleet_agent.engine.standin import settings as standin
+from fleet_agent.telemetry import sim_gpu_state
+from fleet_core import cost_model as cm
+from fleet_core import power_model as pm
 
 REPO = ROOT
 MODEL = "/models/demo/llama-3.1-8b"  # served as "llama-3.1-8b", as trtllm-serve would
@@ -348,6 +351,75 @@ def test_prometheus_metrics(engine: Engine) -> None:
     util = families["trtllm_kv_cache_utilization"].samples[0].value
     assert 0.0 <= util <= 1.0
     assert families["trtllm_generation_tokens"].samples[0].value >= 4
+
+
+def gauge(engine: Engine, family: str, gpu: str) -> float | None:
+    raw = engine.request("GET", "/prometheus/metrics")[1].decode()
+    for f in text_string_to_metric_families(raw):
+        for sample in f.samples:
+            if sample.name == family and sample.labels.get("gpu") == gpu:
+                return float(sample.value)
+    return None
+
+
+def prefill_ms(engine: Engine, tokens: int) -> float:
+    """The iteration latency of the (only) iteration that prefilled `tokens` tokens."""
+    stats = json.loads(engine.request("GET", "/metrics")[1])
+    hits = [s for s in stats if s["inflightBatchingStats"]["numCtxTokens"] == tokens]
+    assert len(hits) == 1, stats
+    return float(hits[0]["iterLatencyMS"])
+
+
+def test_the_simulated_gpus_power_limit_slows_prefill_and_power_is_reported(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "gpus"
+    sim_gpu_state.write_limits(state, {0: 700.0, 1: 350.0})
+    e = launch(
+        tmp_path,
+        {
+            "CUDA_VISIBLE_DEVICES": "1",
+            "FLEET_STANDIN_GPU": "H200",
+            "FLEET_STANDIN_LOAD_S": "0.2",
+            sim_gpu_state.ENV: str(state),
+        },
+    )
+    try:
+        wait_ready(e)
+        limit = "fleet_standin_gpu_power_limit_watts"
+        wait_for("the limit read", lambda: gauge(e, limit, "1") == 350.0, 10, every=0.05)
+        shape = cm.EngineShape(gpu=cm.gpu_spec("H200"), model=cm.model_spec("llama-3.1-8b"))
+        e.request("GET", "/metrics")  # empty the stats
+        body = {"model": SERVED, "prompt": "x" * 32_000, "max_tokens": 2, "ignore_eos": True}
+        assert e.post("/v1/completions", body)[0] == 200
+        capped_s, watts = pm.capped_iteration(shape, 0, 8000, 8000, 350.0)
+        assert watts == 350.0
+        assert prefill_ms(e, 8000) == pytest.approx(capped_s * 1e3, rel=1e-9)
+
+        # What the GPU drew goes back to the simulated driver: GPU 1 only, never past the limit.
+        def reported() -> sim_gpu_state.GpuActivity | None:
+            return sim_gpu_state.read_activity(state, 1, time.time(), 2.0)
+
+        wait_for("a power report", lambda: reported() is not None, 10, every=0.05)
+        activity = reported()
+        assert activity is not None
+        assert pm.idle_power_w(shape.gpu) <= activity.power_w <= 350.0
+        assert activity.memory_used_mib == cm.gpu_memory_used_bytes(shape) // 2**20
+        assert not (state / "gpu-0.json").exists()
+        energy = gauge(e, "fleet_standin_gpu_energy_joules_total", "1")
+        assert energy is not None and energy > 0
+
+        # The limit lifted: the same work takes the uncapped time again.
+        sim_gpu_state.write_limits(state, {0: 700.0, 1: 700.0})
+        wait_for("the lift read", lambda: gauge(e, limit, "1") == 700.0, 10, every=0.05)
+        e.request("GET", "/metrics")
+        body["prompt"] = "y" * 32_000  # not a prefix of the first: no block reuse
+        assert e.post("/v1/completions", body)[0] == 200
+        free_s = cm.iteration_seconds(shape, 0, 8000, 8000)
+        assert prefill_ms(e, 8000) == pytest.approx(free_s * 1e3, rel=1e-9)
+        assert capped_s > 1.3 * free_s
+    finally:
+        e.stop()
 
 
 def test_client_disconnect_frees_the_request(engine: Engine) -> None:

@@ -14,6 +14,7 @@ import pytest
 from repo_paths import FIXTURES
 
 from fleet.lab.harness import free_port
+from fleet_agent.telemetry import PowerLimitControl, PowerLimitUnsupported
 from fleet_agent.telemetry.dcgm import (
     DcgmScrapeError,
     DcgmTelemetry,
@@ -313,3 +314,10 @@ def test_failures_at_run_time_are_scrape_errors(exporter: Exporter) -> None:
             backend.snapshot()
     finally:
         backend.close()
+
+
+def test_power_limits_cannot_be_set_through_the_exporter(telemetry: DcgmTelemetry) -> None:
+    # dcgm-exporter only exports; the daemon logs this (once per requested limit) and goes on.
+    with pytest.raises(PowerLimitUnsupported, match=r"read-only.*--telemetry nvml"):
+        telemetry.set_power_limit(350)
+    assert isinstance(telemetry, PowerLimitControl)

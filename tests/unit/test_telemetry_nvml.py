@@ -12,6 +12,7 @@ import pynvml  # type: ignore[import-untyped]
 import pytest
 from nvml_standin import DRIVER_VERSION, H100_MEMORY_MIB, HGX_BUS_IDS, NvmlStandIn, eight_h100s
 
+from fleet_agent.telemetry import PowerLimitFailed, PowerLimitUnsupported
 from fleet_agent.telemetry.nvml import UNAVAILABLE, NvmlTelemetry
 from fleet_core.telemetry import ClockEvent, GpuSample, TelemetryUnavailable, XidEvent
 
@@ -276,3 +277,62 @@ def test_real_pynvml_here() -> None:
         assert all(g.uuid and g.uuid.startswith("GPU-") for g in snap.gpus if not g.lost)
     finally:
         telemetry.close()
+
+
+# ---- power limits (the fleet's cap valve) ----------------------------------------------------
+
+
+def test_a_power_limit_is_set_on_every_gpu_in_milliwatts_and_enforced() -> None:
+    nvml = NvmlStandIn()
+    telemetry = start(nvml)
+    assert telemetry.set_power_limit(350) == {i: 350.0 for i in range(8)}
+    assert [g.power_limit_mw for g in nvml.gpus] == [350_000] * 8
+    assert nvml.count("nvmlDeviceSetPowerManagementLimit") == 8
+    assert [g.power_limit_w for g in telemetry.snapshot().gpus] == [350.0] * 8
+    # Fractions of a watt reach NVML as milliwatts.
+    telemetry.set_power_limit(412.5)
+    assert nvml.gpus[0].power_limit_mw == 412_500
+
+
+def test_a_power_limit_is_clamped_to_the_boards_constraints() -> None:
+    nvml = NvmlStandIn()
+    nvml.gpus[3].power_limit_constraints_mw = (250_000, 650_000)
+    telemetry = start(nvml)
+    low = telemetry.set_power_limit(50)
+    assert low[0] == 200.0 and low[3] == 250.0
+    high = telemetry.set_power_limit(10_000)
+    assert high[0] == 700.0 and high[3] == 650.0
+    assert nvml.count("nvmlDeviceGetPowerManagementLimitConstraints") == 16
+
+
+def test_none_restores_each_boards_default_limit() -> None:
+    nvml = NvmlStandIn()
+    nvml.gpus[1].power_limit_default_mw = 600_000  # a board shipped below its TDP
+    telemetry = start(nvml)
+    telemetry.set_power_limit(300)
+    restored = telemetry.set_power_limit(None)
+    assert restored[0] == 700.0 and restored[1] == 600.0
+    assert nvml.count("nvmlDeviceGetPowerManagementDefaultLimit") == 8
+    assert nvml.count("nvmlDeviceGetPowerManagementLimitConstraints") == 8  # the 300 W call only
+
+
+def test_no_permission_on_every_gpu_is_unsupported() -> None:
+    gpus = eight_h100s()
+    for gpu in gpus:
+        gpu.errors["nvmlDeviceSetPowerManagementLimit"] = pynvml.NVML_ERROR_NO_PERMISSION
+    telemetry = start(NvmlStandIn(gpus))
+    with pytest.raises(PowerLimitUnsupported, match="NVMLError_NoPermission"):
+        telemetry.set_power_limit(350)
+
+
+def test_a_gpu_that_fails_leaves_the_others_set_and_says_which() -> None:
+    nvml = NvmlStandIn()
+    nvml.gpus[2].errors["nvmlDeviceSetPowerManagementLimit"] = pynvml.NVML_ERROR_TIMEOUT
+    nvml.gpus[5].lost = True  # skipped: a lost GPU has nothing to limit
+    telemetry = start(nvml)
+    with pytest.raises(PowerLimitFailed, match=r"not on GPU 2: NVMLError_Timeout"):
+        telemetry.set_power_limit(350)
+    set_mw = [g.power_limit_mw for g in nvml.gpus]
+    assert set_mw == [350_000, 350_000, 700_000, 350_000, 350_000, 700_000, 350_000, 350_000]
+    nvml.gpus[2].errors.clear()
+    assert set(telemetry.set_power_limit(350)) == {0, 1, 2, 3, 4, 6, 7}

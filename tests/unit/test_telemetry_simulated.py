@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from fleet_agent.telemetry import sim_gpu_state
+from fleet_agent.telemetry.sim_gpu_state import GpuActivity
 from fleet_agent.telemetry.simulated import (
     ALL_GPUS,
     DRIVER_VERSION,
@@ -578,3 +580,71 @@ def test_fault_file_removed_and_restored(tmp_path: Path) -> None:
     assert gpu(sim.snapshot(), 0).ecc_uncorrected_volatile == 1  # held faults stay
     write_faults(path, [{"id": "b", "kind": "ecc_uncorrected"}])
     assert gpu(sim.snapshot(), 0).ecc_uncorrected_volatile == 2
+
+
+# -- power: limits and what the engines draw ---------------------------------------------------
+
+
+def test_a_power_limit_is_clamped_reported_and_never_exceeded() -> None:
+    sim, _, load = make("H100", gpus=2)
+    load.value = 1.0
+    assert {g.power_limit_w for g in sim.snapshot().gpus} == {700.0}
+    assert sim.set_power_limit(350) == {0: 350.0, 1: 350.0}
+    for _ in range(20):  # noise never pushes a reading past the limit
+        for sample in sim.snapshot().gpus:
+            assert sample.power_limit_w == 350.0
+            assert sample.power_w is not None and sample.power_w <= 350.0
+    assert sim.set_power_limit(10) == {0: 200.0, 1: 200.0}  # the H100's lowest limit
+    assert sim.set_power_limit(5000) == {0: 700.0, 1: 700.0}
+    assert sim.set_power_limit(None) == {0: 700.0, 1: 700.0}
+    l40s, _, _ = make("L40S", gpus=1)
+    assert l40s.set_power_limit(10) == {0: 100.0}
+
+
+def test_limits_go_to_the_state_directory_a_fresh_start_resets_them(tmp_path: Path) -> None:
+    sim, _, _ = make("H200", gpus=4, state_dir=tmp_path)
+    assert sim_gpu_state.read_limits(tmp_path) == dict.fromkeys(range(4), 700.0)
+    sim.set_power_limit(420)
+    assert sim_gpu_state.read_limits(tmp_path) == dict.fromkeys(range(4), 420.0)
+    make("H200", gpus=4, state_dir=tmp_path)  # the agent restarted: no stale cap survives
+    assert sim_gpu_state.read_limits(tmp_path) == dict.fromkeys(range(4), 700.0)
+
+
+def test_an_engines_activity_drives_power_utilisation_and_memory(tmp_path: Path) -> None:
+    sim, clock, load = make("H200", gpus=2, state_dir=tmp_path)
+    load.value = 1.0  # ignored where an engine reports
+    report = GpuActivity(
+        at=clock.now, power_w=612.0, busy=0.9, memory_used_mib=130_000, capped=False
+    )
+    sim_gpu_state.write_activity(tmp_path, 0, report)
+    busy, other = sim.snapshot().gpus
+    assert busy.power_w == pytest.approx(612.0, abs=POWER_NOISE_W)
+    assert busy.utilization_pct == 90.0 and busy.memory_used_mib == 130_000
+    assert busy.clock_events is not None and not busy.clock_events & ClockEvent.SW_POWER_CAP
+    assert other.utilization_pct == 100.0  # no engine report: the load() callable
+
+    # Under a limit the engine reports being held there; NVML would show the power-cap reason.
+    sim.set_power_limit(350)
+    sim_gpu_state.write_activity(
+        tmp_path, 0, GpuActivity(clock.now, 350.0, 1.0, 130_000, capped=True)
+    )
+    held = sim.snapshot().gpus[0]
+    assert held.power_w is not None and 350.0 - POWER_NOISE_W <= held.power_w <= 350.0
+    assert held.clock_events is not None and held.clock_events & ClockEvent.SW_POWER_CAP
+
+    # A report that stopped coming (the engine exited): the GPU idles again.
+    load.value = 0.0
+    clock.advance(10)
+    idle = sim.snapshot().gpus[0]
+    assert idle.power_w is not None and idle.power_w < 80.0
+    assert idle.utilization_pct == 0.0
+
+
+def test_unreadable_state_files_are_ignored(tmp_path: Path) -> None:
+    sim, _, _ = make("H100", gpus=1, state_dir=tmp_path)
+    (tmp_path / "gpu-0.json").write_text("{not json")
+    assert gpu(sim.snapshot(), 0).utilization_pct == 0.0
+    (tmp_path / "gpu-0.json").write_text('{"at": "x", "power_w": 500}')
+    assert gpu(sim.snapshot(), 0).utilization_pct == 0.0
+    (tmp_path / "limits.json").write_text('{"limits_w": {"0": "350", "x": 300, "1": -4}}')
+    assert sim_gpu_state.read_limits(tmp_path) == {}

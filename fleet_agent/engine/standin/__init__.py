@@ -24,9 +24,20 @@ Environment (stand-in only):
   FLEET_STANDIN_SEED       seed of the generated text and lengths (default 0)
   FLEET_STANDIN_SPEEDUP    divides every simulated duration, load included (default 1.0)
   FLEET_STANDIN_DRAIN_S    wall-clock bound on the drain after SIGTERM (default 30)
+  FLEET_STANDIN_GPU_STATE_DIR  the simulated GPUs' shared state (the agent sets it with simulated
+                           telemetry): their power limits slow the iterations down, and the
+                           engine's per-GPU power goes back there (fleet_agent/telemetry/
+                           sim_gpu_state.py)
+
+Power: every iteration draws what the phase-aware power model (fleet_core/power_model.py) says,
+and under a power limit takes its capped time. /prometheus/metrics adds, per GPU:
+  fleet_standin_gpu_power_watts        mean over the last half second
+  fleet_standin_gpu_energy_joules_total
+  fleet_standin_gpu_power_limit_watts  the limit it runs under (the TDP without one)
 
 The package: settings.py (the command line, the YAML and FLEET_STANDIN_* → Settings),
 openai_schemas.py (the OpenAI request bodies and error shape), prometheus_metrics.py
-(trtllm-serve's `trtllm_*` Prometheus metrics), server.py (the HTTP server, the engine loop,
+(trtllm-serve's `trtllm_*` Prometheus metrics and the stand-in's power), power.py (the power
+meter), server.py (the HTTP server, the engine loop,
 the lifecycle and main()); __main__.py runs main().
 """

@@ -96,6 +96,25 @@ class PromMetrics:
         )
         self.scheduled = gauge("num_scheduled_requests", "Number of scheduled requests")
         self.ctx_tokens = gauge("total_context_tokens", "Total number of context tokens")
+        # The stand-in's own (not trtllm-serve's): what its simulated GPUs draw, per GPU.
+        self.gpu_power = Gauge(
+            "fleet_standin_gpu_power_watts",
+            "Per-GPU power over the last report period (phase-aware power model)",
+            [*names, "gpu"],
+            registry=r,
+        )
+        self.gpu_energy = Counter(
+            "fleet_standin_gpu_energy_joules",
+            "Per-GPU energy since the engine started",
+            [*names, "gpu"],
+            registry=r,
+        )
+        self.gpu_power_limit = Gauge(
+            "fleet_standin_gpu_power_limit_watts",
+            "Per-GPU power limit the engine runs under",
+            [*names, "gpu"],
+            registry=r,
+        )
 
     def iteration(self, stats: Mapping[str, Any]) -> None:
         lv = self.labels

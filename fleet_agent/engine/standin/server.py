@@ -42,13 +42,17 @@ from fleet_agent.engine.standin.openai_schemas import (
     error_response,
     validation_message,
 )
+from fleet_agent.engine.standin.power import PowerMeter
 from fleet_agent.engine.standin.prometheus_metrics import PromMetrics
 from fleet_agent.engine.standin.settings import ConfigError, Settings, build_parser, build_settings
-from fleet_core import cost_model
+from fleet_agent.telemetry import sim_gpu_state
+from fleet_core import cost_model, power_model
+from fleet_core.gpus import MIB
 from fleet_core.tokens import count_tokens
 
 STANDIN_VERSION = "0.1.0"
 STATS_BUFFER = 1000  # iteration stats kept for /metrics between reads
+POWER_REPORT_S = 0.5  # wall seconds between power reports (and power-limit reads)
 log = logging.getLogger("standin")
 
 
@@ -79,6 +83,10 @@ class StandinServer:
         self._epoch0 = time.time()
         self._mono0 = time.monotonic()
         self.core = EngineCore(settings.core, clock=self.sim_now)
+        gpu = settings.core.shape.gpu
+        self.power = PowerMeter(power_model.idle_power_w(gpu), self.sim_now())
+        self._limits_key: int | None = None
+        self._energy_j = 0.0  # what the energy counters already count
         self.stats: deque[dict[str, Any]] = deque(maxlen=STATS_BUFFER)
         self.prom = PromMetrics()
         self.ready = False
@@ -110,6 +118,9 @@ class StandinServer:
         self.prom.kv_tpb.labels(**lv).set(shape.tokens_per_block)
         self.prom.gpu_mem.labels(**lv).set(cost_model.gpu_memory_used_bytes(shape))
         self.prom.max_active.labels(**lv).set(shape.max_batch_size)
+        for index in self.settings.gpu_indexes:
+            self.prom.gpu_power.labels(**lv, gpu=str(index)).set(self.power.idle_w)
+            self.prom.gpu_power_limit.labels(**lv, gpu=str(index)).set(shape.gpu.tdp_w)
 
     # --- engine loop ----------------------------------------------------------------------
 
@@ -121,13 +132,63 @@ class StandinServer:
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = loop.time()
+            started = self.sim_now()
             result = self.core.step()
+            self.power.iteration(started, result.duration_s, result.power_w, result.capped)
             # Chain deadlines so that sleep overshoot does not accumulate, but never run more
             # than 50 ms of iterations back to back to catch up after a stall.
             deadline = max(deadline, loop.time() - 0.05) + result.duration_s / self.speedup
             delay = deadline - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
             self._deliver(result)
+
+    # --- power ----------------------------------------------------------------------------------
+
+    async def power_loop(self) -> None:
+        """Every POWER_REPORT_S: the power limit in, the GPUs' power out."""
+        while True:
+            self.report_power()
+            await asyncio.sleep(POWER_REPORT_S)
+
+    def report_power(self) -> None:
+        """Read the simulated GPUs' limits (when the file changed), publish the power drawn
+        since the last report on /prometheus/metrics and in the shared state."""
+        settings, lv = self.settings, self.prom.labels
+        shape = settings.core.shape
+        state_dir = settings.gpu_state_dir
+        if state_dir is not None:
+            key = sim_gpu_state.limits_mtime_ns(state_dir)
+            if key != self._limits_key:
+                self._limits_key = key
+                limits = sim_gpu_state.read_limits(state_dir)
+                # A TP group runs at the pace of its most limited GPU.
+                mine = [limits[g] for g in settings.gpu_indexes if g in limits]
+                limit = power_model.clamp_limit_w(shape.gpu, min(mine)) if mine else None
+                if limit != self.core.power_limit_w:
+                    log.info("stand-in power limit: %s W per GPU", limit or shape.gpu.tdp_w)
+                self.core.power_limit_w = limit
+        reading = self.power.read(self.sim_now())
+        enforced = power_model.clamp_limit_w(shape.gpu, self.core.power_limit_w)
+        for index in settings.gpu_indexes:
+            gpu = str(index)
+            self.prom.gpu_power.labels(**lv, gpu=gpu).set(reading.power_w)
+            self.prom.gpu_power_limit.labels(**lv, gpu=gpu).set(enforced)
+            self.prom.gpu_energy.labels(**lv, gpu=gpu).inc(self.power.energy_j - self._energy_j)
+        self._energy_j = self.power.energy_j
+        if state_dir is None:
+            return
+        activity = sim_gpu_state.GpuActivity(
+            at=time.time(),
+            power_w=reading.power_w,
+            busy=reading.busy,
+            memory_used_mib=cost_model.gpu_memory_used_bytes(shape) // MIB,
+            capped=reading.capped,
+        )
+        for index in settings.gpu_indexes:
+            try:
+                sim_gpu_state.write_activity(state_dir, index, activity)
+            except OSError as exc:
+                log.warning("stand-in cannot report GPU %d's power: %s", index, exc)
 
     def _deliver(self, result: IterationResult) -> None:
         self.stats.append(result.stats)
@@ -431,6 +492,8 @@ async def serve(settings: Settings, sock: socket.socket) -> int:
     )
     web = _UvicornServer(config)
     engine = asyncio.create_task(server.engine_loop(), name="engine-loop")
+    power = asyncio.create_task(server.power_loop(), name="power-loop")
+    power.add_done_callback(lambda task: _engine_died(task, stop))
     engine.add_done_callback(lambda task: _engine_died(task, stop))
     web_task = asyncio.create_task(web.serve(sockets=[sock]), name="uvicorn")
     while not web.started and not web_task.done():
@@ -457,17 +520,21 @@ async def serve(settings: Settings, sock: socket.socket) -> int:
         stopped.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await web_task
-    failed = engine.done() and not engine.cancelled() and engine.exception() is not None
-    engine.cancel()
-    with contextlib.suppress(BaseException):
-        await engine
+    failed = any(
+        task.done() and not task.cancelled() and task.exception() is not None
+        for task in (engine, power)
+    )
+    for task in (engine, power):
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
     log.info("stand-in stopped")
     return 1 if failed else 0
 
 
 def _engine_died(task: asyncio.Task[None], stop: asyncio.Event) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.error("stand-in engine loop failed", exc_info=task.exception())
+        log.error("stand-in %s failed", task.get_name(), exc_info=task.exception())
         stop.set()
 
 

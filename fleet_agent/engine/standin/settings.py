@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from fleet_agent.engine.core import CoreConfig
+from fleet_agent.telemetry import sim_gpu_state
 from fleet_core import cost_model
 
 # trtllm-serve's `serve` options (tensorrt_llm/commands/serve.py). The stand-in uses the ones
@@ -84,6 +85,10 @@ class Settings:
     speedup: float
     drain_s: float  # wall
     log_level: str
+    # The simulated GPUs' shared state (fleet_agent/telemetry/sim_gpu_state.py): their power
+    # limits in, this engine's power out. None: no limit, power only on /prometheus/metrics.
+    gpu_state_dir: Path | None = None
+    gpu_indexes: tuple[int, ...] = (0,)  # the GPUs it runs on (CUDA_VISIBLE_DEVICES)
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float, minimum: float) -> float:
@@ -163,7 +168,11 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Settings
 
     # A real engine needs tp × pp GPUs; the supervisor hands them over in CUDA_VISIBLE_DEVICES.
     visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpu_indexes = tuple(range(args.tp_size * args.pp_size))
     if visible is not None:
+        listed = [d.strip() for d in visible.split(",") if d.strip()]
+        if listed and all(d.isdigit() for d in listed):
+            gpu_indexes = tuple(int(d) for d in listed[: args.tp_size * args.pp_size])
         count = len([d for d in visible.split(",") if d.strip()])
         if count < args.tp_size * args.pp_size:
             raise ConfigError(
@@ -205,4 +214,6 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Settings
         speedup=_env_float(env, "FLEET_STANDIN_SPEEDUP", 1.0, 1e-6),
         drain_s=_env_float(env, "FLEET_STANDIN_DRAIN_S", 30.0, 0.0),
         log_level=args.log_level,
+        gpu_state_dir=Path(state_dir) if (state_dir := env.get(sim_gpu_state.ENV)) else None,
+        gpu_indexes=gpu_indexes,
     )
