@@ -23,7 +23,7 @@ SECRET_KEY_FILE = "secret.key"
 DB_FILE = "fleet.db"
 # Pool connections kept for the control loops (one per loop, and the BMC workers' records):
 # the API's admission never hands them out.
-LOOP_CONNECTIONS = 6
+LOOP_CONNECTIONS = 7
 
 
 def default_data_dir() -> Path:
@@ -92,6 +92,9 @@ class Settings(BaseSettings):
     power_cap_low_pct: float = Field(default=80.0, gt=0, le=100)
     power_cap_floor_pct: float = Field(default=50.0, gt=0, le=100)
     power_cap_step_pct: float = Field(default=10.0, gt=0, le=50)
+    # The valve's pass (fleet/power/valve.py), a leader loop: it decides a rack again only on
+    # readings taken after its last change had time to reach the agents.
+    power_valve_interval_s: float = Field(default=15.0, gt=0)
     # The reconciler: every server's BMC read this often; `reconcile_failures` failed reads in
     # a row mark a BMC unreachable, read then only every `reconcile_unreachable_interval_s`.
     reconcile_interval_s: float = Field(default=60.0, gt=0)

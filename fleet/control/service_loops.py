@@ -1,8 +1,8 @@
 """The service's singleton control loops, wired together: one leadership, one thread per loop.
 
-The reconciler (BMC power states) and the provisioner (warm-spare workflows); the autoscaler
-and the scheduled-scaling calendar join here. They share the leadership: one process leads
-them all.
+The reconciler (BMC power states) and the provisioner (warm-spare workflows); the autoscaler,
+the scheduled-scaling calendar and the cap valve (GPU power limits of racks near their budget)
+join here. They share the leadership: one process leads them all.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fleet.control.loops import SingletonLoop
 from fleet.crypto import SecretBox
 from fleet.models import Event, utcnow
 from fleet.power.reconciler import reconcile_once
+from fleet.power.valve import run_valve
 from fleet.provisioning.tick import provision_once
 from fleet.settings import Settings
 
@@ -107,4 +108,11 @@ def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[Sing
         leadership,
         on_tick=leadership.record,
     )
-    return [reconciler, provisioner, autoscaler, calendar]
+    valve = SingletonLoop(
+        "valve",
+        settings.power_valve_interval_s,
+        lambda: run_valve(engine, settings),
+        leadership,
+        on_tick=leadership.record,
+    )
+    return [reconciler, provisioner, autoscaler, calendar, valve]

@@ -294,9 +294,9 @@ def test_admission_cap_leaves_the_loops_their_connections(env: Path) -> None:
     pool = settings.db_pool_size + settings.db_max_overflow
     assert settings.api_max_in_flight <= pool - LOOP_CONNECTIONS
     # The most a pool allows, and one more.
-    assert Settings(db_pool_size=10, db_max_overflow=0, api_max_in_flight=4).api_max_in_flight
+    assert Settings(db_pool_size=10, db_max_overflow=0, api_max_in_flight=3).api_max_in_flight
     with pytest.raises(ValidationError, match="at most FLEET_DB_POOL_SIZE"):
-        Settings(db_pool_size=10, db_max_overflow=0, api_max_in_flight=5)
+        Settings(db_pool_size=10, db_max_overflow=0, api_max_in_flight=4)
 
 
 @pytest.mark.parametrize(

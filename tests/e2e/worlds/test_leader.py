@@ -396,7 +396,7 @@ def test_a_failing_leader_hands_the_lead_to_a_healthy_one(
 def test_the_service_loops_step_down_together_and_say_why_in_an_event(
     migrated_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fleet/control/service_loops.py: the four loops share one StepDown; failed provisioner ticks
+    """fleet/control/service_loops.py: the loops share one StepDown; failed provisioner ticks
     (the
     loop that ticks most) make the process give up the lead, with a service.follower Event."""
     from pydantic import SecretStr
@@ -424,7 +424,7 @@ def test_the_service_loops_step_down_together_and_say_why_in_an_event(
         assert advisory_holders(migrated_engine) != []
         assert provisioner.run_once() is True  # the second failure in a row: it steps down
         assert advisory_holders(migrated_engine) == []
-        assert [loop.run_once() for loop in loops] == [False] * 4
+        assert [loop.run_once() for loop in loops] == [False] * len(loops)
         with Session(migrated_engine) as session:
             events = session.exec(
                 sqlmodel.select(Event).where(col(Event.subject_type) == "service")
