@@ -119,6 +119,9 @@ class BmcInfo:
 
 @dataclass(frozen=True, slots=True)
 class Sensors:
+    """What a BMC reports. `power_w` is the server's input draw as the BMC gave it (None: it
+    gives none), not checked: fleet.power.readings.check_watts decides whether it is believed."""
+
     temperatures_c: dict[str, float] = field(default_factory=dict)
     power_w: float | None = None
 

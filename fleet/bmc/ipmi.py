@@ -298,6 +298,11 @@ class IpmiDriver(PowerDriver):
         )
 
     def sensors(self) -> Sensors:
+        """Temperatures (°C) from the SDR's temperature sensors, and the server's draw (W):
+        DCMI Get Power Reading where the BMC answers it (a reading of 0 counts as none), else
+        the whole-system power sensor (`_system_watts`). The watts are what the BMC said,
+        unchecked: the caller decides whether to believe them
+        (fleet.power.readings.check_watts)."""
         readings = self._optional("sensor read", lambda cmd: list(cmd.get_sensor_data())) or []
         temperatures: dict[str, float] = {}
         watts: dict[str, float] = {}
@@ -525,15 +530,31 @@ def _dcmi_watts(cmd: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and value > 0 else None
 
 
-_SYSTEM_POWER_NAME = re.compile(r"total|sys|platform|node|chassis", re.IGNORECASE)
+# Whole-system power sensors as vendors name them: "Total Power", "Sys Power", "Pwr
+# Consumption" (Dell), "Power Meter" (HPE), "Platform Power", "Node Power", "Chassis Power".
+_SYSTEM_POWER_NAME = re.compile(
+    r"total|sys|platform|node|chassis|consumption|power ?meter|pwr ?meter", re.IGNORECASE
+)
+# Per-supply input power ("PS1 Input Power", "PSU2 In Power", "Power Supply 1 Input"): their sum
+# is the wall draw when no whole-system sensor exists.
+_SUPPLY_INPUT_NAME = re.compile(
+    r"\b(?:ps|psu|pwr ?supply|power ?supply) ?\d+\b.*\b(?:in|input)\b", re.IGNORECASE
+)
 
 
 def _system_watts(watts: dict[str, float]) -> float | None:
-    """A whole-system figure from power sensors: one whose name says so, else the largest."""
+    """A whole-system figure from power sensors (W): one whose name says it is the system's;
+    else the sum of the supplies' input sensors (one supply's alone would understate a
+    redundant pair by half); else the largest power sensor."""
     if not watts:
         return None
     named = [value for name, value in watts.items() if _SYSTEM_POWER_NAME.search(name)]
-    return max(named) if named else max(watts.values())
+    if named:
+        return max(named)
+    supplies = [value for name, value in watts.items() if _SUPPLY_INPUT_NAME.search(name)]
+    if supplies:
+        return sum(supplies)
+    return max(watts.values())
 
 
 def _field(data: dict[str, Any], *names: str) -> str | None:

@@ -116,6 +116,10 @@ RESET_GRACEFUL_OFF = ("GracefulShutdown",)
 RESET_FORCE_OFF = ("ForceOff",)
 RESET_HARD_CYCLE = ("ForceRestart", "PowerCycle")
 
+# PowerSubsystem: supplies in these states draw nothing (empty bay, switched out, off-line).
+NOT_DRAWING = ("Absent", "Disabled", "StandbyOffline", "UnavailableOffline")
+MAX_POWER_SUPPLIES = 16  # bounds the GETs one reading may take
+
 
 def base_url(target: BmcTarget) -> str:
     """scheme://host:port for `target`: https unless the server opted into plain HTTP
@@ -175,6 +179,13 @@ def _links(resource: Json, key: str) -> list[str]:
     if not isinstance(members, list):
         return []
     return [str(m["@odata.id"]) for m in members if isinstance(m, dict) and "@odata.id" in m]
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as a float (bool is not one); anything else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 def _text(value: Any) -> str | None:
@@ -364,8 +375,9 @@ class RedfishDriver(PowerDriver):
 
     def sensors(self) -> Sensors:
         """Temperatures (°C, by sensor name) and power draw (W) of the system's first chassis:
-        Thermal / Power, or the newer ThermalSubsystem / EnvironmentMetrics. Missing ones are
-        left out (sushy-tools has static Thermal values and no Power)."""
+        Thermal / ThermalSubsystem, and the chassis's input power (`_power_watts`). Missing ones
+        are left out. The watts are what the BMC said, unchecked: the caller decides whether to
+        believe them (fleet.power.readings.check_watts)."""
         _, system = self._system()
         chassis_paths = _links(system, "Chassis")
         if not chassis_paths:
@@ -413,19 +425,72 @@ class RedfishDriver(PowerDriver):
         return temperatures
 
     def _power_watts(self, chassis_path: str, chassis: Json) -> float | None:
-        power_path = _link(chassis, "Power") or f"{chassis_path.rstrip('/')}/Power"
-        power = self._get_optional(power_path, "the Chassis Power")
-        if power:
-            for control in power.get("PowerControl") or []:
-                watts = control.get("PowerConsumedWatts") if isinstance(control, dict) else None
-                if isinstance(watts, int | float):
-                    return float(watts)
+        """The chassis's input power draw in W, from the first source the chassis links that
+        gives one, newest model first:
+
+        1. EnvironmentMetrics `PowerWatts.Reading`: the chassis total (Redfish 2020.4 on);
+        2. Power `PowerControl[0].PowerConsumedWatts`: deprecated but the most widespread; the
+           first PowerControl is the system's input power by convention (later ones, where a
+           BMC has them, are parts such as CPU or memory, so they are not summed or tried);
+        3. PowerSubsystem: the sum of its power supplies' `Metrics.InputPowerWatts.Reading`
+           (wall-side draw), only when every installed supply reports one: a partial sum would
+           understate the draw.
+
+        A chassis that links none of them gets one GET of `<chassis>/Power` (BMCs that serve it
+        unlinked). None when no source gives a number."""
         metrics_path = _link(chassis, "EnvironmentMetrics")
-        metrics = (
-            self._get_optional(metrics_path, "the EnvironmentMetrics") if metrics_path else None
+        power_path = _link(chassis, "Power")
+        subsystem_path = _link(chassis, "PowerSubsystem")
+        if not (metrics_path or power_path or subsystem_path):
+            power_path = f"{chassis_path.rstrip('/')}/Power"
+        if metrics_path:
+            metrics = self._get_optional(metrics_path, "the Chassis EnvironmentMetrics")
+            reading = _number(((metrics or {}).get("PowerWatts") or {}).get("Reading"))
+            if reading is not None:
+                return reading
+        if power_path:
+            power = self._get_optional(power_path, "the Chassis Power")
+            controls = (power or {}).get("PowerControl")
+            if isinstance(controls, list) and controls and isinstance(controls[0], dict):
+                reading = _number(controls[0].get("PowerConsumedWatts"))
+                if reading is not None:
+                    return reading
+        if subsystem_path:
+            return self._power_supplies_watts(subsystem_path)
+        return None
+
+    def _power_supplies_watts(self, subsystem_path: str) -> float | None:
+        subsystem = self._get_optional(subsystem_path, "the Chassis PowerSubsystem")
+        supplies_path = _link(subsystem, "PowerSupplies")
+        collection = (
+            self._get_optional(supplies_path, "the PowerSupplies collection")
+            if supplies_path
+            else None
         )
-        reading = ((metrics or {}).get("PowerWatts") or {}).get("Reading")
-        return float(reading) if isinstance(reading, int | float) else None
+        members = [
+            str(m["@odata.id"])
+            for m in (collection or {}).get("Members") or []
+            if isinstance(m, dict) and isinstance(m.get("@odata.id"), str)
+        ]
+        total: float | None = None
+        for member in members[:MAX_POWER_SUPPLIES]:
+            supply = self._get_optional(member, "a PowerSupply")
+            if not supply:
+                return None
+            state = (supply.get("Status") or {}).get("State")
+            if state in NOT_DRAWING:
+                continue  # an empty bay or a supply switched out draws nothing
+            supply_metrics = _link(supply, "Metrics")
+            metrics = (
+                self._get_optional(supply_metrics, "a PowerSupply's Metrics")
+                if supply_metrics
+                else None
+            )
+            reading = _number(((metrics or {}).get("InputPowerWatts") or {}).get("Reading"))
+            if reading is None:
+                return None  # an installed supply without a reading: the total is unknown
+            total = reading if total is None else total + reading
+        return total
 
     # -- the ComputerSystem --------------------------------------------------------------------
 

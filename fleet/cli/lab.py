@@ -96,6 +96,18 @@ def lab_up(
         bool,
         typer.Option("--import/--no-import", help="Import the rewritten inventory into the fleet."),
     ] = True,
+    no_power_reading: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--no-power-reading",
+            help="A server whose BMC gives no power reading (repeatable): the fleet shows its "
+            "agent-based estimate.",
+        ),
+    ] = None,
+    power_feed: Annotated[
+        float | None,
+        typer.Option("--power-feed", help="Seconds between BMC power readings updates [5]."),
+    ] = None,
 ) -> None:
     """Run the virtual colo in the foreground until Ctrl-C or SIGTERM.
 
@@ -108,7 +120,7 @@ def lab_up(
     import threading
 
     from fleet.inventory.schema import parse_inventory
-    from fleet.lab.colo import DEFAULT_BOOT_DELAY_S, VirtualColo
+    from fleet.lab.colo import DEFAULT_BOOT_DELAY_S, POWER_FEED_S, VirtualColo
     from fleet.lab.state import lab_running, load_state
 
     inv = parse_inventory(inventory.read_bytes())
@@ -126,6 +138,8 @@ def lab_up(
         token_for=lab_token_maker(engine),
         fleet_url=fleet_url,
         boot_delay_s=DEFAULT_BOOT_DELAY_S if boot_delay is None else boot_delay,
+        no_power_reading=no_power_reading or (),
+        power_feed_s=POWER_FEED_S if power_feed is None else power_feed,
     )
     stop = threading.Event()
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed

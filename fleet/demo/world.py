@@ -10,7 +10,7 @@ grace): a demo that ends, is interrupted or crashes leaves no process behind.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -75,6 +75,7 @@ ROUTER_SETTINGS = {
     "FLEET_ROUTER_LOG_LEVEL": "WARNING",
 }
 BOOT_DELAY_S = 3.0  # the lab's power-on to agent start (a real server: 10-15 min)
+POWER_FEED_S = 1.0  # the BMCs' power readings follow the modelled draw this often (demo time)
 
 
 class DemoError(RuntimeError):
@@ -163,7 +164,9 @@ def make_token(world: World, name: str, role: str, server: str | None = None) ->
         return create_token(session, name, Role(role), server, actor="demo")
 
 
-def start_lab(world: World, inventory: dict[str, Any]) -> None:
+def start_lab(
+    world: World, inventory: dict[str, Any], no_power_reading: Sequence[str] = ()
+) -> None:
     def token_for(server: str) -> str:
         return make_token(world, f"demo-agent-{server}", "agent", server)
 
@@ -175,6 +178,9 @@ def start_lab(world: World, inventory: dict[str, Any]) -> None:
         token_for=token_for,
         boot_delay_s=BOOT_DELAY_S,
         agent_env=AGENT_SETTINGS,
+        # One BMC without power telemetry: the fleet shows that server's agent-based estimate.
+        no_power_reading=no_power_reading,
+        power_feed_s=POWER_FEED_S,
     )
 
 

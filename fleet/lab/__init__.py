@@ -8,6 +8,7 @@ protocol peers.
     processes.py  child-process plumbing: identity, death with the parent, groups, /proc usage
     notices.py    the receiver of sushy-emulator's power notices
     sushy.py      the Redfish emulator (sushy-tools); ipmi_sim.py: the IPMI emulator
+    sushy_power.py  the lab's Power extension of sushy-tools (a chassis per system, its draw)
     harness.py    the fleet's own processes (service, router, lab) for tests, bench and demo
 """
 

@@ -22,6 +22,16 @@ How power changes are learnt:
   `chassis.log`; one watcher thread polls their stat() every `watch_interval_s` for all sims.
 - Both: a bounded reconcile reads the emulators' truth every `reconcile_interval_s`.
 
+What the BMCs read as the servers' draw (the modelled draw): every `power_feed_s` a feeder thread
+sets each emulated BMC's power reading (sushy: the lab's Power extension, fleet/lab/
+sushy_power.py; ipmi_sim: its whole-system power sensor) to what the server would draw: off, its
+standby_w; on, its host part (idle_w less its GPUs' idle draw, fleet_core/gpus.py) plus the sum
+of its GPUs' power as its agent reports it (`agent_gpu_power_watts` on the agent's /metrics,
+from the simulated telemetry, which follows the engines' work); on with no agent answer yet
+(booting), its idle_w. A power change sets the new figure at once. Servers named in
+`no_power_reading` get no reading at all (a BMC without power telemetry): the fleet must fall
+back to the agent-based estimate for them.
+
 Every change goes through ONE controller thread (power state, boot timers, agent processes), so
 there are no races between a notice, a boot timer and a power-off. Agents are started from that
 long-lived thread on purpose: PR_SET_PDEATHSIG fires when the *thread* that forked the child
@@ -39,6 +49,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 import os
 import queue
 import secrets
@@ -47,9 +58,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid as uuid_mod
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -57,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from fleet.inventory.schema import InventoryFile, ServerIn, parse_inventory
 from fleet.lab import LabError
@@ -86,6 +100,7 @@ from fleet.lab.state import (
 )
 from fleet.lab.sushy import FakeSystem, SushyEmulator, free_port
 from fleet.models import BmcProtocol
+from fleet_core.gpus import gpu_spec
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +118,14 @@ STOP_GRACE_S = 3.0
 APPLY_MARGIN_S = 0.25  # sushy applies at int(apply_time) <= time.time(): read a little later
 IPMI_START_WORKERS = 12
 AGENT_POLL_S = 1.0  # how often the controller looks for agents that exited on their own
+POWER_FEED_S = 5.0  # how often the BMCs' power readings follow the modelled draw
+AGENT_METRICS_TIMEOUT_S = 1.0  # one agent's /metrics; a slower agent counts as booting
+POWER_FEED_WORKERS = 16  # agents' /metrics read at once
+# ipmi_sim's power sensor is one byte times a step: its range is max_w times this (a server
+# past its nameplate stays visible), so the step is max_w * 1.25 / 255 (50 W for a DGX H100).
+IPMI_POWER_RANGE = 1.25
+IPMI_POWER_MAX_W = 255.0 * 1023  # the widest one IPMI sensor can show (M is 10 bits)
+GPU_POWER_METRIC = "agent_gpu_power_watts"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +151,11 @@ class _Node:
     # fleet learns it from the agent's registration. One per server for the lab's life.
     api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     error: str | None = None
+    bmc_power_reading: bool = True  # False: the BMC has no power reading (no_power_reading)
+    drawn: tuple[int, float] | None = None  # (generation, watts) last modelled while on
+    published_w: float | None = None  # what the BMC reads now (None: no reading)
+    # A figure the BMC reads instead of the model (tests of a BMC gone wrong): (watts,) or None.
+    override: tuple[float | None] | None = None
 
     @property
     def redfish(self) -> bool:
@@ -138,8 +166,23 @@ class _Node:
         return zlib.crc32(self.name.encode())  # stable per server: same GPUs every boot
 
     @property
+    def gpu_idle_w(self) -> float:
+        """One GPU's idle draw (the middle of its observed range); 0 for a model the fleet does
+        not know (then the whole idle_w counts as host)."""
+        try:
+            return gpu_spec(self.spec.gpu.model).idle_mid_w
+        except ValueError:
+            return 0.0
+
+    @property
     def power_w(self) -> float:
-        return self.spec.power.idle_w if self.on else self.spec.power.standby_w
+        """The modelled draw now: standby_w when off; while on, the figure the feeder last
+        modelled for this boot, else idle_w."""
+        if not self.on:
+            return float(self.spec.power.standby_w)
+        if self.drawn is not None and self.drawn[0] == self.generation:
+            return self.drawn[1]
+        return float(self.spec.power.idle_w)
 
 
 @dataclass(order=True)
@@ -178,6 +221,53 @@ def _valid_uuid(value: str | None) -> str | None:
         return None
 
 
+def modelled_draw_w(
+    *,
+    on: bool,
+    standby_w: float,
+    idle_w: float,
+    gpu_count: int,
+    gpu_idle_w: float,
+    gpu_power_w: float | None,
+) -> float:
+    """What a lab server draws: off, its standby; on with its agent's summed GPU power, the
+    host part (idle_w less its GPUs' idle draw, never below 0) plus that GPU power; on without
+    one (booting, or the agent does not answer), its idle_w."""
+    if not on:
+        return float(standby_w)
+    if gpu_power_w is None:
+        return float(idle_w)
+    host_w = max(0.0, float(idle_w) - gpu_count * float(gpu_idle_w))
+    return host_w + float(gpu_power_w)
+
+
+def gpu_power_from_metrics(text: str) -> float | None:
+    """The sum of `agent_gpu_power_watts` over an agent's GPUs, from its /metrics text; None
+    when it reports none (no snapshot yet, or every GPU lost)."""
+    total, seen = 0.0, False
+    for family in text_string_to_metric_families(text):
+        if family.name != GPU_POWER_METRIC:
+            continue
+        for sample in family.samples:
+            if sample.name == GPU_POWER_METRIC and math.isfinite(sample.value):
+                total += sample.value
+                seen = True
+    return total if seen else None
+
+
+def _agent_gpu_power_w(url: str, timeout: float) -> float | None:
+    """An agent's summed GPU power from its open /metrics; None when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+            text = resp.read(4 << 20).decode(errors="replace")
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+    try:
+        return gpu_power_from_metrics(text)
+    except ValueError:  # not the exposition format
+        return None
+
+
 class VirtualColo:
     """Real BMC emulators for every server of `inventory`, and an agent per powered-on server.
 
@@ -187,6 +277,9 @@ class VirtualColo:
     (the state other `fleetctl lab` commands read) and `workdir/servers/<name>/` (agent.log,
     faults.json). `up()` / `down()` or a `with` block; `down()` is idempotent and also runs at
     interpreter exit.
+
+    `power_feed_s` is how often the BMCs' power readings follow the modelled draw (module doc);
+    `no_power_reading` names servers whose BMC gives no power reading at all.
     """
 
     def __init__(
@@ -202,11 +295,15 @@ class VirtualColo:
         watch_interval_s: float = WATCH_INTERVAL_S,
         reconcile_interval_s: float = RECONCILE_INTERVAL_S,
         state_file: Path | str | None = STATE_FILE,
+        power_feed_s: float = POWER_FEED_S,
+        no_power_reading: Iterable[str] = (),
     ) -> None:
         if not isinstance(inventory, InventoryFile):
             inventory = parse_inventory(inventory)
         if boot_delay_s < 0 or stop_grace_s < 0 or watch_interval_s <= 0:
             raise ValueError("boot_delay_s and stop_grace_s must be >= 0, watch_interval_s > 0")
+        if not (math.isfinite(power_feed_s) and power_feed_s > 0):
+            raise ValueError("power_feed_s must be > 0")
         self.inventory = inventory
         self.workdir = Path(workdir).resolve()
         self.fleet_url = fleet_url
@@ -219,6 +316,12 @@ class VirtualColo:
         self.up_seconds: float | None = None
         self._token_for = token_for
         self._nodes = self._plan(inventory)
+        self.power_feed_s = power_feed_s
+        unknown = sorted(set(no_power_reading) - set(self._nodes))
+        if unknown:
+            raise ValueError(f"no_power_reading names servers not in the inventory: {unknown}")
+        for name in no_power_reading:
+            self._nodes[name].bmc_power_reading = False
         self._by_uuid = {n.system_id: n for n in self._nodes.values() if n.system_id}
         self._sushy: SushyEmulator | None = None
         self._notices: NoticeServer | None = None
@@ -231,6 +334,7 @@ class VirtualColo:
         self._stopping: list[_Stopping] = []
         self._controller: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
+        self._feeder: threading.Thread | None = None
         self._watch_stop = threading.Event()
         self._closing = False
         self._state_lock = threading.Lock()  # the nodes' fields: controller writes, others read
@@ -288,6 +392,10 @@ class VirtualColo:
                     target=self._watch_chassis, name="lab-ipmi-watcher", daemon=True
                 )
                 self._watcher.start()
+            self._feeder = threading.Thread(
+                target=self._feed_power, name="lab-power-feeder", daemon=True
+            )
+            self._feeder.start()
         except BaseException:
             self.down()
             raise
@@ -319,7 +427,15 @@ class VirtualColo:
                 start_timeout=30.0,
             )
         for node in ipmi:
-            node.sim = IpmiSim(LAB_PASSWORD, username=LAB_USERNAME, ready_timeout=30.0)
+            node.sim = IpmiSim(
+                LAB_PASSWORD,
+                username=LAB_USERNAME,
+                ready_timeout=30.0,
+                power_max_w=min(float(node.spec.power.max_w) * IPMI_POWER_RANGE, IPMI_POWER_MAX_W),
+            )
+        with self._state_lock:  # every server starts off: its BMC reads its standby draw
+            for node in self._nodes.values():
+                self._publish_power(node, None)
         # ipmi_sim takes about a second to answer; sushy about as long: all at once.
         workers = max(1, min(IPMI_START_WORKERS, len(ipmi) + 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="lab-start") as pool:
@@ -370,6 +486,8 @@ class VirtualColo:
             self._shutdown()
         if self._watcher is not None:
             self._watcher.join(5)
+        if self._feeder is not None:
+            self._feeder.join(AGENT_METRICS_TIMEOUT_S + 5)
         self._stop_emulators()
         if self._notices is not None:
             self._notices.shutdown()
@@ -457,6 +575,7 @@ class VirtualColo:
         with self._state_lock:
             node.on = on
             node.generation += 1
+            self._publish_power(node, None)  # standby, or idle while it boots
             if on:
                 node.boot_at = time.monotonic() + self.boot_delay_s
                 generation = node.generation
@@ -576,6 +695,82 @@ class VirtualColo:
         if changed:
             self._write_state()
 
+    # -- the modelled draw, fed to the BMCs ----------------------------------------------------
+
+    def _feed_power(self) -> None:
+        """Thread: every `power_feed_s`, each server's modelled draw to its BMC. Bounded: one
+        round reads the agents' /metrics POWER_FEED_WORKERS at a time, each within
+        AGENT_METRICS_TIMEOUT_S."""
+        pool = ThreadPoolExecutor(POWER_FEED_WORKERS, thread_name_prefix="lab-power")
+        try:
+            while not self._watch_stop.wait(self.power_feed_s):
+                try:
+                    self._feed_once(pool)
+                except Exception:
+                    log.exception("lab power feeder: a round failed")
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _feed_once(self, pool: ThreadPoolExecutor) -> None:
+        with self._state_lock:
+            plan = [
+                (node, node.generation, node.agent_url if node.agent is not None else None)
+                for node in self._nodes.values()
+                if node.on
+            ]
+        timeout = min(AGENT_METRICS_TIMEOUT_S, self.power_feed_s)
+        futures = {
+            node.name: pool.submit(_agent_gpu_power_w, url, timeout)
+            for node, _, url in plan
+            if url is not None
+        }
+        changed = False
+        for node, generation, _ in plan:
+            future = futures.get(node.name)
+            gpu_w = future.result() if future is not None else None
+            if self._watch_stop.is_set():
+                return
+            with self._state_lock:
+                if node.generation != generation:
+                    continue  # powered off or cycled since: that change published its figure
+                before = node.power_w
+                self._publish_power(node, gpu_w)
+                changed = changed or node.power_w != before
+        if changed:
+            self._write_state()
+
+    def _publish_power(self, node: _Node, gpu_power_w: float | None) -> None:
+        """Model the node's draw now and set it as its BMC's reading (unless the node's BMC has
+        none). Called with _state_lock held: a feeder round and a power change never publish
+        out of order."""
+        watts = modelled_draw_w(
+            on=node.on,
+            standby_w=node.spec.power.standby_w,
+            idle_w=node.spec.power.idle_w,
+            gpu_count=node.spec.gpu.count,
+            gpu_idle_w=node.gpu_idle_w,
+            gpu_power_w=gpu_power_w,
+        )
+        node.drawn = (node.generation, watts) if node.on else None
+        reading = watts if node.bmc_power_reading else None
+        if node.override is not None:
+            reading = node.override[0]
+        if reading == node.published_w:
+            return
+        try:
+            if node.sim is not None:
+                if reading is not None:
+                    reading = min(reading, node.sim.power_max_w)
+                node.sim.set_power_watts(reading)
+            elif self._sushy is not None and node.system_id is not None:
+                self._sushy.set_power_watts(node.system_id, reading)
+            else:
+                return
+        except (OSError, ValueError) as exc:
+            log.warning("%s: could not set its BMC's power reading: %s", node.name, exc)
+            return
+        node.published_w = reading
+
     # -- learning power changes --------------------------------------------------------------
 
     def _on_notice(self, body: dict[str, Any]) -> None:
@@ -673,8 +868,46 @@ class VirtualColo:
             raise LabError(f"no server named {server!r} in the lab") from None
 
     def power_w(self, server: str) -> float:
-        """What the server draws now: standby_w when off, idle_w when on (booting or up)."""
-        return self._node(server).power_w
+        """What the server draws now, as the lab models it: standby_w when off; when on, the
+        host part plus its GPUs' reported power (idle_w while booting). Its BMC reads this,
+        unless the server is one of `no_power_reading`."""
+        with self._state_lock:
+            return self._node(server).power_w
+
+    def bmc_power_w(self, server: str) -> float | None:
+        """What the server's BMC reads as its draw now (None: no reading)."""
+        with self._state_lock:
+            return self._node(server).published_w
+
+    def override_bmc_power(self, server: str, watts: float | None) -> None:
+        """Make the server's BMC read `watts` (None: no reading) instead of the modelled draw,
+        until `clear_bmc_power_override`: a BMC gone wrong, for tests of what the fleet believes.
+        Redfish serves any number as given (negative, NaN, absurd); ipmi_sim's one-byte sensor
+        only 0 to its range (LabError otherwise)."""
+        node = self._node(server)
+        sim = node.sim
+        if sim is not None and watts is not None and not 0 <= watts <= sim.power_max_w:
+            raise LabError(
+                f"{server}: an IPMI power sensor shows 0-{sim.power_max_w:g} W, not {watts!r}"
+            )
+        with self._state_lock:
+            node.override = (watts,)
+            self._publish_power(node, self._gpu_power_of(node))
+
+    def clear_bmc_power_override(self, server: str) -> None:
+        """Back to the modelled draw (from the next feeder round; idle or standby at once)."""
+        node = self._node(server)
+        with self._state_lock:
+            node.override = None
+            self._publish_power(node, self._gpu_power_of(node))
+
+    @staticmethod
+    def _gpu_power_of(node: _Node) -> float | None:
+        """The GPU power behind the node's last modelled draw (None: none known)."""
+        if not node.on or node.drawn is None or node.drawn[0] != node.generation:
+            return None
+        host_w = max(0.0, node.spec.power.idle_w - node.spec.gpu.count * node.gpu_idle_w)
+        return node.drawn[1] - host_w
 
     def rack_power_w(self) -> dict[str, float]:
         totals: dict[str, float] = {}
@@ -718,6 +951,7 @@ class VirtualColo:
             "on": node.on,
             "booting": node.boot_at is not None,
             "power_w": node.power_w,
+            "bmc_power_w": node.published_w,
             "agent": None,
             "error": node.error,
             "workdir": str(node.workdir),

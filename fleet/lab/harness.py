@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,7 @@ from typing import TypeVar
 
 import httpx
 
-from fleet.lab.colo import VirtualColo
+from fleet.lab.colo import POWER_FEED_S, VirtualColo
 from fleet.lab.processes import die_with_parent
 from fleet.lab.sushy import free_port
 
@@ -53,6 +53,9 @@ FAST_SERVICE_SETTINGS: dict[str, str] = {
     "FLEET_POWER_RETRY_AFTER_S": "15",
     "FLEET_POWER_SETTLE_S": "15",
     "FLEET_POWER_ON_RACK_DELAY_S": "0.1",
+    # Measured draw in buckets of 5 s (production: 300 s), the cap valve every second.
+    "FLEET_POWER_BUCKET_S": "5",
+    "FLEET_POWER_VALVE_INTERVAL_S": "1",
     "FLEET_LOG_LEVEL": "INFO",
 }
 # A world that serves traffic: the autoscaler ticks every second, and the quality probe (it
@@ -322,10 +325,14 @@ def start_lab(
     token_for: Callable[[str], str],
     boot_delay_s: float,
     agent_env: Mapping[str, str],
+    no_power_reading: Iterable[str] = (),
+    power_feed_s: float = POWER_FEED_S,
 ) -> VirtualColo:
     """The virtual colo of `inventory` (YAML) under `workdir`, up, its servers imported into
     the service (their BMC addresses rewritten to the lab's emulators). The caller takes it
-    down (`colo.down()`), agents before the service they talk to."""
+    down (`colo.down()`), agents before the service they talk to. `no_power_reading` names
+    servers whose BMC gives no power reading; `power_feed_s` is how often the BMCs' readings
+    follow the modelled draw (fleet/lab/colo.py)."""
     colo = VirtualColo(
         inventory,
         workdir,
@@ -333,6 +340,8 @@ def start_lab(
         fleet_url=service_url,
         boot_delay_s=boot_delay_s,
         agent_env=dict(agent_env),
+        no_power_reading=no_power_reading,
+        power_feed_s=power_feed_s,
     )
     try:
         colo.up()

@@ -17,13 +17,18 @@ ipmi_sim facts this relies on (Debian `openipmi` 2.0.x):
 - it asks the chassis_control program for the power state on every read, and a
   `chassis power cycle` reaches the program as `set power 0` and, about 1 s later,
   `set power 1`; a soft shutdown arrives as `set shutdown 1`;
-- it exits on SIGTERM; the chassis_control programs it forks share its process group.
+- it exits on SIGTERM; the chassis_control programs it forks share its process group;
+- it has no DCMI (Get Power Reading answers "invalid command", 0xC1), so the server's draw is a
+  whole-system power SENSOR (`set_power_watts`, templates/ipmi_sim-bmc.emu): a one-byte
+  threshold sensor scaled by M watts a step, read from a file it polls; a presence bit, also
+  polled from a file, disables it when the lab has no figure to give ("unavailable").
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -43,6 +48,11 @@ from fleet.models import BmcProtocol
 HOST = "127.0.0.1"
 _PASSWORD_RE = re.compile(r"^[A-Za-z0-9._~+=@%^,:/-]{1,19}$")
 _USER_RE = re.compile(r"^[A-Za-z0-9._-]{1,16}$")
+
+# The power sensor (templates/ipmi_sim-bmc.emu): one byte of reading, M watts a step.
+POWER_SENSOR_NAME = "Total Power"
+DEFAULT_POWER_MAX_W = 2550.0  # 10 W a step
+POWER_POLL_MS = 200  # how often ipmi_sim reads the watts (a change shows within ~2 polls)
 
 _reserved_lock = threading.Lock()
 _reserved_ports: set[int] = set()
@@ -72,6 +82,48 @@ def _udp_sockets_on(port: int) -> int | None:
             if len(fields) > 1 and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 count += 1
     return count if seen_any_table else None
+
+
+def power_step_w(power_max_w: float) -> int:
+    """The sensor's resolution M (watts a step) so that 255 steps reach `power_max_w`."""
+    if not math.isfinite(power_max_w) or power_max_w <= 0:
+        raise ValueError(f"power_max_w must be a positive number of watts, not {power_max_w}")
+    step = max(1, math.ceil(power_max_w / 255))
+    if step > 1023:  # M is 10 bits in the SDR
+        raise ValueError(f"power_max_w {power_max_w:g} W is beyond one IPMI sensor's range")
+    return step
+
+
+def power_sdr(step_w: int, sensor_number: int = 0x30, name: str = POWER_SENSOR_NAME) -> str:
+    """The power sensor's Full Sensor Record (IPMI 2.0 table 43-1) as main_sdr_add's bytes:
+    threshold sensor, units Watts, reading = M * raw (M = `step_w`), entity system chassis,
+    scanning on at start. Checked against OpenIPMI's own compiler (`sdrcomp`) for M=50."""
+    encoded = name.encode("ascii")
+    if not 0 < len(encoded) <= 16:
+        raise ValueError("an SDR id string is 1-16 characters")
+    record = [
+        0x00, 0x00,  # record id: ipmi_sim assigns it
+        0x51, 0x01, 0x00,  # SDR version 1.5, type 01 (full sensor record), length (below)
+        0x20, 0x00, sensor_number,  # owner: the BMC, LUN 0
+        0x17, 0x01,  # entity: system chassis, instance 1
+        0x45,  # initialisation: scanning, sensor type, default scanning on
+        0x00,  # capabilities: none (no thresholds, no events)
+        0x0B, 0x01,  # sensor type "other units-based", event/reading type: threshold
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  # event and threshold masks: none
+        0x00, 0x06, 0x00,  # unsigned analog reading; base unit 6 = Watts; no modifier
+        0x00,  # linear
+        step_w & 0xFF, (step_w >> 8) << 6,  # M (10 bits), tolerance 0
+        0x00, 0x01,  # B = 0, accuracy 1
+        0x01, 0x00,  # direction input; R and B exponents 0
+        0x00, 0x00, 0x00, 0x00,  # analog flags, nominal, normal max, normal min
+        0xFF, 0x00,  # sensor maximum and minimum raw readings
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  # thresholds: none
+        0x00, 0x00, 0x00, 0x00, 0x00,  # hysteresis, reserved, OEM
+        0xC0 | len(encoded),  # id string: 8-bit ASCII
+        *encoded,
+    ]  # fmt: skip
+    record[4] = len(record) - 5
+    return " ".join(f"0x{byte:02x}" for byte in record)
 
 
 def free_udp_port() -> int:
@@ -104,6 +156,7 @@ class IpmiSim:
         powered_on: bool = False,
         soft_off_powers_down: bool = True,
         ready_timeout: float = 10.0,
+        power_max_w: float = DEFAULT_POWER_MAX_W,
         ipmi_sim: str = "ipmi_sim",
         ipmitool: str = "ipmitool",
     ) -> None:
@@ -118,6 +171,10 @@ class IpmiSim:
         self.powered_on = powered_on
         self.soft_off_powers_down = soft_off_powers_down
         self.ready_timeout = ready_timeout
+        # The power sensor's range and resolution: M = ceil(power_max_w / 255) W a step.
+        self.power_step_w = power_step_w(power_max_w)
+        self.power_max_w = 255.0 * self.power_step_w
+        self._power_watts: float | None = None
         self._ipmi_sim = ipmi_sim
         self._ipmitool = ipmitool
         self.port = 0
@@ -174,6 +231,11 @@ class IpmiSim:
             "@USER@": self.username,
             "@PASSWORD@": self.password,
             "@SOFT_OFF@": "1" if self.soft_off_powers_down else "0",
+            "@POWER_M@": str(self.power_step_w),
+            # One product per sensor scale (pyghmi's SDR cache key; see the template).
+            "@PRODUCT_ID@": f"0x{0xF000 + self.power_step_w:04x}",
+            "@POWER_SDR@": power_sdr(self.power_step_w),
+            "@POLL_MS@": str(POWER_POLL_MS),
         }
         for name, target in (
             ("ipmi_sim-lan.conf", "lan.conf"),
@@ -187,6 +249,7 @@ class IpmiSim:
         (self.dir / "chassis_control.sh").chmod(0o755)
         (self.dir / "chassis.power").write_text("1\n" if self.powered_on else "0\n")
         (self.dir / "chassis.log").touch()
+        self._write_power_files(self._power_watts)
         output = (self.dir / "ipmi_sim.out").open("wb")
         try:
             self._proc = subprocess.Popen(
@@ -301,6 +364,35 @@ class IpmiSim:
         """Change the power state with ipmitool, as an operator would outside Fleet."""
         self._ipmitool_run("chassis", "power", "on" if on else "off")
 
+    def set_power_watts(self, watts: float | None) -> None:
+        """What the BMC's power sensor reads from now on (within ~2 polls, POWER_POLL_MS):
+        `watts` rounded to the sensor's step, or None for "no reading" (the sensor reads as
+        unavailable). Kept across a restart of the emulator. ValueError for a figure the one-
+        byte sensor cannot show: negative, not finite, or above `power_max_w`."""
+        if watts is not None and not (math.isfinite(watts) and 0 <= watts <= self.power_max_w):
+            raise ValueError(
+                f"the power sensor shows 0-{self.power_max_w:g} W, not {watts!r} "
+                "(give IpmiSim a larger power_max_w)"
+            )
+        with self._lock:
+            self._power_watts = watts
+            if self.dir is not None:
+                self._write_power_files(watts)
+
+    def power_watts(self) -> float | None:
+        """The figure last given to `set_power_watts` (None: no reading)."""
+        return self._power_watts
+
+    def _write_power_files(self, watts: float | None) -> None:
+        # Each file replaced whole (ipmi_sim may read at any moment); the figure before the
+        # presence bit, so a reading never shows a stale figure as new.
+        assert self.dir is not None
+        if watts is not None:
+            _replace(self.dir / "power.watts", f"{round(watts)}\n")
+        elif not (self.dir / "power.watts").exists():
+            _replace(self.dir / "power.watts", "0\n")
+        _replace(self.dir / "power.present", "1\n" if watts is not None else "0\n")
+
     def ipmitool(self, *args: str, timeout: float = 5.0) -> str:
         """Run ipmitool (lanplus, cipher suite 3) against this emulator; its stdout."""
         return self._ipmitool_run(*args, timeout=timeout)
@@ -362,6 +454,13 @@ class IpmiSim:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"IpmiSim(127.0.0.1:{self.port}, {state})"
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` whole: a reader sees the old content or the new, never a part."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
 
 
 def _exited(pid: int, timeout: float) -> bool:

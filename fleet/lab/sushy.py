@@ -2,8 +2,11 @@
 
 This is a stand-in for real BMC hardware, used by the driver tests and by the virtual colo. It
 speaks real Redfish over HTTP(S) with basic auth (no SessionService), serving N fake
-ComputerSystems from the emulator's "fake" driver. Quirks worth knowing (see the emulator's
-source, `sushy_tools/emulator/resources/systems/fakedriver.py`):
+ComputerSystems from the emulator's "fake" driver. It runs through the lab's wrapper,
+fleet/lab/sushy_power.py (`python -m fleet.lab.sushy_power`): sushy-tools' own app, plus a chassis
+per system whose Power resource serves the watts `set_power_watts` gives (sushy-tools has no
+Power resource). Quirks worth knowing (see the emulator's source,
+`sushy_tools/emulator/resources/systems/fakedriver.py`):
 
 - a Reset answers 204 at once but the new PowerState appears only 1-11 s later, applied on the
   first read of the system after its apply time (there is no "PoweringOn" state);
@@ -101,10 +104,9 @@ def free_port() -> int:
 
 
 def _emulator_command() -> list[str]:
-    script = Path(sys.executable).parent / "sushy-emulator"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-m", "sushy_tools.emulator.main"]
+    # sushy-tools' emulator with the lab's power extension (fleet/lab/sushy_power.py); it takes
+    # sushy-emulator's own arguments.
+    return [sys.executable, "-m", "fleet.lab.sushy_power"]
 
 
 def _terminate(
@@ -169,6 +171,7 @@ class SushyEmulator:
         self.workdir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._watts: dict[str, float] = {}  # system uuid -> what its Power resource serves
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -204,6 +207,9 @@ class SushyEmulator:
         workdir = Path(tempfile.mkdtemp(prefix="fleet-sushy-"))
         try:
             self._write_auth_file(workdir)
+            (workdir / "power").mkdir()
+            for system, watts in self._watts.items():
+                _replace(watts_file(workdir / "power", system), _watts_text(watts))
             # The port is free when picked but another process may take it before the emulator
             # binds it: then the emulator exits at once, and we try another port.
             for attempt in range(3):
@@ -254,6 +260,7 @@ class SushyEmulator:
             "@NOTIFICATION_URL@": repr(self.notification_url),
             "@SSL_CERT@": repr(self.tls_cert),
             "@SSL_KEY@": repr(self.tls_key),
+            "@POWER_DIR@": repr(str(workdir / "power")),
         }
         text = resources.files("fleet.lab").joinpath(TEMPLATE).read_text()
         for key, value in values.items():
@@ -342,6 +349,33 @@ class SushyEmulator:
         path = f"/redfish/v1/Systems/{system}/Actions/ComputerSystem.Reset"
         return [r for r in self.requests() if r.method == "POST" and r.path == path]
 
+    # -- the modelled draw (the lab's power extension) --------------------------------------
+
+    def set_power_watts(self, system: str, watts: float | None) -> None:
+        """What `system`'s (uuid) chassis Power resource reports from the next request on:
+        `PowerConsumedWatts` = `watts` exactly as given (nonsense included: the lab may play a
+        BMC that answers negative or absurd figures), or None for no Power resource at all.
+        Kept across a restart of the emulator."""
+        if system not in self.systems:
+            raise ValueError(f"no system {system!r} in this emulator")
+        if watts is not None and (isinstance(watts, bool) or not isinstance(watts, int | float)):
+            raise TypeError(f"watts must be a number or None, not {watts!r}")
+        if watts is None:
+            self._watts.pop(system, None)
+        else:
+            self._watts[system] = float(watts)
+        if self.workdir is None or not self.running():
+            return  # written when it starts
+        path = watts_file(self.workdir / "power", system)
+        if watts is None:
+            path.unlink(missing_ok=True)
+        else:
+            _replace(path, _watts_text(float(watts)))
+
+    def power_watts(self, system: str) -> float | None:
+        """The figure last given to `set_power_watts` for `system` (None: no reading)."""
+        return self._watts.get(system)
+
     # -- direct Redfish calls (the lab acting behind Fleet's back) -------------------------
 
     def read_power_state(self, system: str) -> str:
@@ -386,6 +420,23 @@ class SushyEmulator:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         return urllib.request.urlopen(request, timeout=timeout, context=context)
+
+
+def watts_file(power_dir: Path, system: str) -> Path:
+    """Where the emulator's power extension reads `system`'s watts (fleet.lab.sushy_power's
+    watts_file; not imported from there, which would load sushy-tools' whole app here)."""
+    return power_dir / f"{system}.watts"
+
+
+def _watts_text(watts: float) -> str:
+    return f"{watts!r}\n"  # repr: exact, and "nan"/"inf" stay what they are
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` whole: the emulator reads the old content or the new, never a part."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
 
 
 def _tail(text: str, lines: int = 15) -> str:

@@ -32,6 +32,7 @@ from fleet.bmc.base import (
     BmcTransient,
     BmcUnreachable,
     BmcUnsupported,
+    PowerDriver,
     Timeouts,
 )
 from fleet.bmc.ipmi import IpmiDriver
@@ -208,13 +209,52 @@ def test_identify(sim: IpmiSim) -> None:
 
 
 def test_info_and_sensors_where_offered(sim: IpmiSim) -> None:
-    # ipmi_sim offers a BMC firmware version, no FRU data and no SDRs.
+    # ipmi_sim offers a BMC firmware version, no FRU data, no temperature sensors, and the
+    # lab's power sensor, which has no reading until the lab sets one.
     with IpmiDriver(target_of(sim)) as driver:
         info = driver.info()
         sensors = driver.sensors()
     assert info.firmware == "9.8"
     assert info.manufacturer is None and info.model is None and info.serial is None
     assert sensors.temperatures_c == {} and sensors.power_w is None
+
+
+def read_power_until(driver: PowerDriver, want: float | None) -> float | None:
+    """The driver's power reading, polled (bounded) until it is `want`: ipmi_sim reads the
+    lab's file every POWER_POLL_MS."""
+    deadline = time.monotonic() + 5.0
+    seen = driver.sensors().power_w
+    while seen != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = driver.sensors().power_w
+    return seen
+
+
+def test_the_power_sensor_reads_what_the_lab_set(make_sim: SimFactory) -> None:
+    sim = make_sim(power_max_w=12_750.0)  # a DGX-class server: 50 W a step
+    assert sim.power_step_w == 50
+    # No DCMI in ipmi_sim: the driver falls back to the whole-system power sensor.
+    with pytest.raises(ipmi_sim_module.IpmiSimError, match="Invalid command"):
+        sim.ipmitool("dcmi", "power", "reading")
+    with IpmiDriver(target_of(sim)) as driver:
+        sim.set_power_watts(6_500.0)
+        assert read_power_until(driver, 6_500.0) == 6_500.0
+        sim.set_power_watts(4_321.0)  # rounded to the sensor's step
+        assert read_power_until(driver, 4_300.0) == 4_300.0
+        sim.set_power_watts(None)  # the sensor reads as unavailable: no reading at all
+        assert read_power_until(driver, None) is None
+        sim.set_power_watts(0.0)  # zero is a reading
+        assert read_power_until(driver, 0.0) == 0.0
+    listing = sim.ipmitool("sdr", "list")
+    assert "Total Power" in listing and "Watts" in listing
+
+
+def test_the_power_sensor_refuses_what_it_cannot_show(sim: IpmiSim) -> None:
+    assert sim.power_max_w == 2550.0  # the default: 10 W a step
+    for nonsense in (-1.0, float("nan"), float("inf"), 2551.0):
+        with pytest.raises(ValueError, match="the power sensor shows 0-2550 W"):
+            sim.set_power_watts(nonsense)
+    assert sim.power_watts() is None
 
 
 def test_driver_for_picks_ipmi(sim: IpmiSim) -> None:

@@ -261,7 +261,46 @@ def test_identify_info_and_sensors(pool: Pool, drivers: list[RedfishDriver]) -> 
     sensors = d.sensors()
     assert sensors.temperatures_c["Chassis Intake Temp"] == 25.0
     assert sensors.temperatures_c["CPU Temp (0)"] == 41.0
-    assert sensors.power_w is None  # the emulator's Chassis has no Power resource
+    assert sensors.power_w is None  # no watts set for it: its chassis has no Power resource
+
+
+def chassis_of(pool: Pool, system: FakeSystem) -> Any:
+    with pool.emulator._open("GET", f"/redfish/v1/Chassis/{system.uuid}") as resp:
+        return json.loads(resp.read())
+
+
+def test_the_lab_power_extension_serves_the_watts_it_was_given(
+    pool: Pool, drivers: list[RedfishDriver]
+) -> None:
+    """fleet.lab.sushy_power: a chassis per system, whose Power resource serves the lab's
+    figure; the driver reads it as it would a real BMC's PowerControl."""
+    system, other = pool.take("On"), pool.take("Off")
+    d, d_other = pool.driver(system), pool.driver(other)
+    drivers += [d, d_other]
+    assert "Power" not in chassis_of(pool, system)  # nothing set: no Power resource
+
+    pool.emulator.set_power_watts(system.uuid, 6_512.5)
+    assert d.sensors().power_w == 6_512.5
+    assert d_other.sensors().power_w is None  # per system, not per emulator
+    chassis = chassis_of(pool, system)
+    assert chassis["Power"] == {"@odata.id": f"/redfish/v1/Chassis/{system.uuid}/Power"}
+    assert chassis["Links"]["ComputerSystems"] == [
+        {"@odata.id": f"/redfish/v1/Systems/{system.uuid}"}
+    ]
+    # The temperatures still come from sushy's own (static) Thermal resource.
+    assert d.sensors().temperatures_c["Chassis Intake Temp"] == 25.0
+
+    pool.emulator.set_power_watts(system.uuid, 900)  # a change shows on the next read
+    assert d.sensors().power_w == 900.0
+    pool.emulator.set_power_watts(system.uuid, -40.0)  # nonsense is served as given
+    assert d.sensors().power_w == -40.0
+    pool.emulator.set_power_watts(system.uuid, None)
+    assert d.sensors().power_w is None
+    assert "Power" not in chassis_of(pool, system)
+    power = f"/redfish/v1/Chassis/{system.uuid}/Power"
+    assert [r.status for r in pool.emulator.requests() if r.path == power][-1] == 404
+    with pytest.raises(ValueError, match="no system"):
+        pool.emulator.set_power_watts("not-a-system", 1.0)
 
 
 def test_driver_for_picks_redfish(pool: Pool) -> None:

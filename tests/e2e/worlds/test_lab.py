@@ -59,6 +59,9 @@ AGENT_ENV = {
 }
 KEPT_UUID = "5e7f1ee7-0000-4000-8000-00000000abcd"
 IDLE_W, STANDBY_W = 1900.0, 90.0
+# Once its agent answers, a server's modelled draw is its host part plus its 8 simulated GPUs'
+# reported power (fleet/lab/colo.py): idle GPUs each within the H100's idle range, plus noise.
+IDLE_SPREAD_W = 8 * (3.0 + 1.5)
 
 
 # Redfish steps wait up to SETTLE_S unless told otherwise.
@@ -264,20 +267,18 @@ def test_power_on_through_the_fleet_boots_agents_that_register_and_report_faults
             rows = wait_for("lab status: both ready", lambda: _ready_rows(fleet, workdir, (a, b)))
             for name in (a, b):
                 row = rows["servers"][name]
-                assert (row["power"], row["agent_pid"], row["power_w"]) == (
-                    "on",
-                    pids[name],
-                    IDLE_W,
-                )
+                assert (row["power"], row["agent_pid"]) == ("on", pids[name])
+                assert abs(row["power_w"] - IDLE_W) <= IDLE_SPREAD_W
             assert (
                 rows["servers"][rf[1]]["power"] == "off"
                 and rows["servers"][rf[1]]["agent_pid"] is None
             )
             racks = {r["rack"]: r for r in rows["racks"]}
-            assert racks["lab1-r01"]["power_w"] == 2 * IDLE_W + STANDBY_W
+            assert abs(racks["lab1-r01"]["power_w"] - (2 * IDLE_W + STANDBY_W)) <= 2 * IDLE_SPREAD_W
             table = fleet.ok("lab", "status", "--dir", str(workdir))
             assert a in table and "BMC endpoint" in table and str(pids[a]) in table
-            assert colo.power_w(a) == IDLE_W and colo.power_w(rf[1]) == STANDBY_W
+            assert abs(colo.power_w(a) - IDLE_W) <= IDLE_SPREAD_W
+            assert colo.power_w(rf[1]) == STANDBY_W
 
             # Assigned a deployment (provisioning's job; written to the database here): each
             # agent starts its stand-in engines (2 replicas of 4 GPUs) and is ready with them.
