@@ -27,6 +27,8 @@ from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Gpu, Role, Server, utcnow
+from fleet.power.measure import drawn_fresh_s, record_estimate
+from fleet.settings import get_settings
 from fleet_core import wire
 from fleet_core.wire import Assignment, GpuFound, GpuHealth
 
@@ -154,6 +156,9 @@ def _reply(
         expected_gpus=server.gpu_count,
         assignment=assignment_for(session, server),
         refused_urls=refused or [],
+        # The cap valve's per-GPU limit (fleet/power/valve.py); None: the GPUs' default (and
+        # so is a non-positive figure, which the wire refuses: never a failed heartbeat).
+        gpu_power_limit_w=limit if (limit := server.gpu_power_limit_w) and limit > 0 else None,
     )
 
 
@@ -248,7 +253,10 @@ def heartbeat(
     *,
     peer: str | None,
     networks: Sequence[Network] = (),
+    drawn_fresh: float | None = None,
 ) -> Reply:
+    """`drawn_fresh`: seconds a BMC's draw reading stays fresh, during which the agent's
+    estimate does not replace it (default: fleet/power/measure.drawn_fresh_s of the settings)."""
     server = _own_server(session, principal, report.server)
     # A replica URL off the rule is dropped (the replica gets no traffic), not the heartbeat:
     # refusing the whole report would hide the GPUs' health and, after the silence deadline,
@@ -261,13 +269,19 @@ def heartbeat(
             refused.append(f"replicas[{i}].url: {problem}")
             replica["url"] = None
     previous = (server.health_verdict, server.health_action)
-    server.last_heartbeat_at = utcnow()
+    now = utcnow()
+    server.last_heartbeat_at = now
     server.health_verdict = report.verdict
     server.health_action = report.action
     server.health_reasons = [r.model_dump(mode="json") for r in report.reasons]
     server.agent_ready = report.ready
     server.agent_draining = report.draining
     server.replicas = replicas
+    # The agent's estimate of the draw where the BMC gives none (fleet/power/measure.py): on
+    # the row this report writes anyway, so it costs no extra write.
+    fresh_s = drawn_fresh if drawn_fresh is not None else drawn_fresh_s(get_settings())
+    gpu_watts = [None if gpu.lost else gpu.power_w for gpu in report.gpus]
+    record_estimate(session, server, gpu_watts, now, fresh_s)
     session.add(server)
     rows = {g.index: g for g in session.exec(select(Gpu).where(Gpu.server_id == server.id))}
     for gpu in report.gpus:

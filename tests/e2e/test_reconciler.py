@@ -27,6 +27,7 @@ from fleet.lab.sushy import FakeSystem, SushyEmulator
 from fleet.lifecycle.states import ServerState
 from fleet.models import BmcProtocol, Event, PowerState, Server, utcnow
 from fleet.power.actions import power, server_power_lock
+from fleet.power.measure import Meter
 from fleet.power.reconciler import TickReport, reconcile_once
 from fleet.settings import Settings
 
@@ -252,3 +253,39 @@ def test_retired_servers_are_not_read(db: Engine, session: Session, rack: Any) -
     add_server(session, rack, "gone", "retired", bmc_port=closed_port())
     report = tick(db)
     assert (report.read, report.failed, report.settling, report.backoff) == (0, 0, 0, 0)
+
+
+def test_the_draw_of_a_server_found_on_is_read_from_its_bmc_and_nonsense_refused(
+    db: Engine, session: Session, rack: Any, sushy: SushyEmulator
+) -> None:
+    """The lab's sushy-emulator serves the chassis Power resource (fleet/lab/sushy_power.py):
+    the sweep reads it for a server that is on and stores it labelled "bmc"; an absurd figure
+    changes nothing and is recorded once."""
+    system = sushy.fake_systems[0].uuid
+    redfish_server(session, rack, "rf-draw", sushy, system, "warm")
+    meter = Meter(settings())
+    sushy.set_power_watts(system, 4321.0)
+    report = reconcile_once(db, BOX, settings(), meter=meter)
+    assert report.metered == 0 and row(db, "rf-draw").drawn_w is None  # off: not asked
+
+    sushy.set_power_behind_our_back(system, "on")
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline and row(db, "rf-draw").drawn_w is None:
+        reconcile_once(db, BOX, settings(), meter=meter)
+        time.sleep(0.5)
+    server = row(db, "rf-draw")
+    assert (server.power_state, server.drawn_w, server.drawn_source) == (ON, 4321.0, "bmc")
+
+    sushy.set_power_watts(system, -50.0)
+    reconcile_once(db, BOX, settings(), meter=meter)
+    reconcile_once(db, BOX, settings(), meter=meter)
+    assert row(db, "rf-draw").drawn_w == 4321.0  # never believed
+    with Session(db) as s:
+        messages = list(
+            s.exec(
+                select(Event.message).where(
+                    Event.subject == "rf-draw", Event.kind == "server.power_reading_refused"
+                )
+            )
+        )
+    assert len(messages) == 1 and "-50 W" in messages[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from fleet.api.deps import AgentCaller, BoxDep, SessionDep, SettingsDep
+from fleet.power.measure import drawn_fresh_s
 from fleet.registry.agent_reports import Heartbeat, Registration, Reply, heartbeat, register
 
 router = APIRouter(tags=["agent"], prefix="/agent")
@@ -57,4 +58,5 @@ def agent_heartbeat(
         settings.heartbeat_interval_s,
         peer=_peer(request),
         networks=settings.agent_networks,
+        drawn_fresh=drawn_fresh_s(settings),
     )
