@@ -139,17 +139,36 @@ def servers_power(
     pool: Annotated[str | None, typer.Option(help="baseline or warm")] = None,
     state: Annotated[str | None, typer.Option()] = None,
     gpu_model: Annotated[str | None, typer.Option("--gpu-model")] = None,
+    override_budget: Annotated[
+        bool,
+        typer.Option(
+            "--override-budget",
+            help="Power on even past the rack's budget (admins only; needs --reason).",
+        ),
+    ] = False,
+    reason: Annotated[
+        str | None,
+        typer.Option("--reason", help="Why the budget may be exceeded (recorded on the rack)."),
+    ] = None,
     url: Url = DEFAULT_URL,
     token: Token = None,
     output: Out = Output.TABLE,
 ) -> None:
     """Power servers on/off/cycle through their BMCs, or read their power state.
 
-    Power-ons are staggered per rack (inrush current); every result is read back from the BMC.
-    Exit code 1 if any server failed.
+    Power-ons are staggered per rack (inrush current) and pass the rack's budget gate: what
+    fits is powered on, the rest fail naming the rack, the watts needed and the headroom. An
+    admin may override with --override-budget --reason TEXT (an Event, shown on the rack).
+    Every result is read back from the BMC. Exit code 1 if any server failed.
     """
+    if override_budget and not (reason or "").strip():
+        raise CliError("--override-budget needs --reason TEXT (why the budget may be exceeded)")
+    if reason is not None and not override_budget:
+        raise CliError("--reason goes with --override-budget")
     filters = {"site": site, "rack": rack, "pool": pool, "state": state, "gpu_model": gpu_model}
     body: dict[str, Any] = {"action": action, **_choose(names, filters)}
+    if override_budget:
+        body |= {"override_budget": True, "reason": reason}
     results: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     # The service streams one line per server as its BMC answers: a live progress bar (on

@@ -5,7 +5,10 @@ observed fields (never its lifecycle state: that is the state machine's) and rec
 with the outcome. One power action per server at a time, across service processes.
 
 `act_on` is the one power path: operator actions (`power`), `verify` and the provisioner's
-boots, cycles and returns (fleet/provisioning/tick.py) all go through it.
+boots, cycles and returns (fleet/provisioning/tick.py) all go through it. Power-ons that no
+lifecycle move has committed yet (an operator's on and cycle, verify of a baseline server)
+ask the rack budget gate first (`gated_act_on`, fleet/power/gate.py), just before their BMC
+call: a bulk power-on of a rack powers on what fits and refuses the rest, each with its reason.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from fleet.errors import ConflictError, NotFoundError
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
 from fleet.models import Event, Pool, PowerState, Rack, Server, utcnow
+from fleet.power import gate
+from fleet.power.gate import Override
 from fleet.settings import Settings
 
 
@@ -96,6 +101,37 @@ def act_on(
         _record(engine, server, action, None, exc, actor, settings.power_settle_s)
         raise
     _record(engine, server, action, result, None, actor, settings.power_settle_s)
+    return result
+
+
+def gated_act_on(
+    engine: Engine,
+    box: SecretBox,
+    settings: Settings,
+    server: Server,
+    action: Action,
+    actor: str,
+    *,
+    override: Override | None = None,
+    drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
+) -> ActionResult | PowerState:
+    """`act_on`, a power-on (`on`, `cycle`) admitted by its rack's budget gate first
+    (gate.BudgetRefused otherwise: nothing sent, nothing recorded against the server). The
+    gate's write-ahead commitment goes once the BMC says on, or holds until the reconciler
+    can have read the server (fleet/power/gate.py `settle`)."""
+    if action not in SPACED:
+        return act_on(engine, box, settings, server, action, actor, drivers=drivers)
+    admission = gate.admit(engine, settings, server.name, actor, override=override)
+    try:
+        result = act_on(engine, box, settings, server, action, actor, drivers=drivers)
+    except ServerBusy:
+        gate.settle(engine, settings, admission, confirmed=True)  # nothing went out
+        raise
+    except Exception:
+        gate.settle(engine, settings, admission, confirmed=False)
+        raise
+    after = result.state_after if isinstance(result, ActionResult) else result
+    gate.settle(engine, settings, admission, confirmed=after is PowerState.ON)
     return result
 
 
@@ -200,8 +236,13 @@ def power(
     stagger: Stagger | None = None,
     drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
     on_done: Callable[[PowerReport], None] | None = None,
+    override: Override | None = None,
 ) -> list[PowerReport]:
-    """Run `action` on every named server; one report per server, in the order given."""
+    """Run `action` on every named server; one report per server, in the order given.
+
+    Power-ons (`on`, `cycle`) pass the rack budget gate one by one, each just before its BMC
+    call: one that does not fit fails with the refusal (rack, watts needed, headroom) as its
+    error, unless an admin's `override` admits it."""
     if action not in ACTIONS:
         raise ValueError(f"unknown power action {action!r} (one of {', '.join(ACTIONS)})")
     names = list(dict.fromkeys(names))  # a server named twice is acted on once
@@ -210,7 +251,9 @@ def power(
         stagger = power_stagger(settings, spaced=action in SPACED)
 
     def job(server: Server) -> Callable[[], ActionResult | PowerState]:
-        return lambda: act_on(engine, box, settings, server, action, actor, drivers=drivers)
+        return lambda: gated_act_on(
+            engine, box, settings, server, action, actor, override=override, drivers=drivers
+        )
 
     def report(outcome: Outcome[ActionResult | PowerState]) -> PowerReport:
         value = outcome.value
@@ -254,40 +297,53 @@ class VerifyReport:
     message: str  # what happened, or (not ok) one line naming the server, its BMC and the cause
 
 
-def _verify_one(
+def _settle_verify(
     engine: Engine,
     box: SecretBox,
     settings: Settings,
     server: Server,
+    found: PowerState,
     actor: str,
     drivers: Callable[[BmcTarget], PowerDriver],
 ) -> VerifyReport:
-    """Enrolled → warm (pool warm, found off) or → booting (pool baseline, powered on).
+    """Phase two of verify for one enrolled server whose BMC answered (`found`):
+    → warm (pool warm, found off) or → booting (pool baseline: powered on through the rack
+    budget gate unless found on; a refusal leaves it enrolled, the reason its message).
 
     A warm-pool server found on stays enrolled: a spare must be off, and powering off a
     machine Fleet does not yet know is an operator's call, not ours.
     """
-    if server.state != ServerState.ENROLLED:
-        return VerifyReport(server.name, True, None, None, f"already {server.state}: nothing to do")
-    action: Action = "on" if server.pool == Pool.BASELINE else "status"
-    result = act_on(engine, box, settings, server, action, actor, drivers=drivers)
-    state = result.state_after if isinstance(result, ActionResult) else result
     if server.pool == Pool.BASELINE:
-        target, why = ServerState.BOOTING, "BMC verified; baseline server powered on"
-    elif state == PowerState.OFF:
+        if found is PowerState.ON:
+            why = "BMC verified; baseline server already on"
+        else:
+            try:
+                result = gated_act_on(engine, box, settings, server, "on", actor, drivers=drivers)
+            except gate.BudgetRefused as refused:
+                hint = (
+                    "it stays enrolled: make room in the rack, or an admin powers it on with "
+                    f"`fleetctl servers power on {server.name} --override-budget --reason TEXT`; "
+                    "then verify again"
+                )
+                message = gate.refusal_message(refused.need, hint)
+                return VerifyReport(server.name, False, found, None, message)
+            found = result.state_after if isinstance(result, ActionResult) else result
+            why = "BMC verified; baseline server powered on"
+        target = ServerState.BOOTING
+    elif found == PowerState.OFF:
         target, why = ServerState.WARM, "BMC verified; the spare is off"
     else:
         return VerifyReport(
             server.name,
             False,
-            state,
+            found,
             None,
-            f"server {server.name}: the BMC reports it {state.value}; a warm spare must be off "
+            f"server {server.name}: the BMC reports it {found.value}; a warm spare must be off "
             f"(power it off with `fleetctl servers power off {server.name}`, then verify again)",
         )
     with Session(engine) as session:
         lifecycle.transition(session, server.name, target, actor, why)
-    return VerifyReport(server.name, True, state, target, why)
+    return VerifyReport(server.name, True, found, target, why)
 
 
 def verify(
@@ -299,23 +355,53 @@ def verify(
     *,
     drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
 ) -> list[VerifyReport]:
-    """Verify every named server's BMC and move the enrolled ones on; one report each."""
+    """Verify every named server's BMC and move the enrolled ones on; one report each.
+
+    Two phases. First every enrolled server's power state is read (all at once: reads draw no
+    inrush), which records it, so that a server the fleet knew nothing of stops counting as
+    on in its rack's budget. Then the spares found off turn warm and the baseline servers are
+    powered on, staggered per rack, each through the rack budget gate: those past the budget
+    stay enrolled with the refusal as their message."""
     names = list(dict.fromkeys(names))
     found = load_servers(engine, names)
-    stagger = Stagger(  # baseline servers are powered on: stagger like any power-on
-        workers=settings.bmc_workers,
-        per_rack=settings.power_on_per_rack,
-        rack_delay=settings.power_on_rack_delay_s,
-    )
+    reports: dict[str, VerifyReport] = {}
+    enrolled = []
+    for name in names:
+        server = found[name][0]
+        if server.state != ServerState.ENROLLED:
+            why = f"already {server.state}: nothing to do"
+            reports[name] = VerifyReport(name, True, None, None, why)
+        else:
+            enrolled.append(name)
 
-    def job(server: Server) -> Callable[[], VerifyReport]:
-        return lambda: _verify_one(engine, box, settings, server, actor, drivers)
+    def read(server: Server) -> Callable[[], ActionResult | PowerState]:
+        return lambda: act_on(engine, box, settings, server, "status", actor, drivers=drivers)
 
-    outcomes = run_bulk([Job(n, found[n][1], job(found[n][0])) for n in names], stagger)
-    reports = []
-    for outcome in outcomes:
-        if outcome.value is not None:
-            reports.append(outcome.value)
-            continue
-        reports.append(VerifyReport(outcome.server, False, None, None, str(outcome.error)))
-    return reports
+    read_jobs = [Job(n, found[n][1], read(found[n][0]), spaced=False) for n in enrolled]
+    states: dict[str, PowerState] = {}
+    for outcome in run_bulk(read_jobs, power_stagger(settings, spaced=False)):
+        if isinstance(outcome.value, PowerState):
+            states[outcome.server] = outcome.value
+        else:
+            reports[outcome.server] = VerifyReport(
+                outcome.server, False, None, None, str(outcome.error)
+            )
+
+    def move(server: Server, state: PowerState) -> Callable[[], VerifyReport]:
+        return lambda: _settle_verify(engine, box, settings, server, state, actor, drivers)
+
+    # Only a baseline server found not on is powered on: the others' jobs draw no inrush.
+    move_jobs = [
+        Job(
+            n,
+            found[n][1],
+            move(found[n][0], state),
+            spaced=found[n][0].pool == Pool.BASELINE and state is not PowerState.ON,
+        )
+        for n, state in states.items()
+    ]
+    for moved in run_bulk(move_jobs, power_stagger(settings, spaced=True)):
+        reports[moved.server] = moved.value or VerifyReport(
+            moved.server, False, None, None, str(moved.error)
+        )
+    return [reports[n] for n in names]

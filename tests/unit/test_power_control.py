@@ -79,7 +79,9 @@ def fleet(session: Session) -> list[str]:
         rack = add_rack(session, site, f"r{r}")
         for i in range(3):
             name = f"r{r}-gpu{i}"
-            add_server(session, rack, name, u_position=1 + 8 * i, bmc_system_id=name)
+            # 3 × 5 kW: each rack's budget (18.4 kW) holds all three on; the budget gate
+            # itself is tested in test_power_gate.py.
+            add_server(session, rack, name, u_position=1 + 8 * i, bmc_system_id=name, max_w=5000.0)
             names.append(name)
     return names
 

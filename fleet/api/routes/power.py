@@ -6,6 +6,7 @@ import json
 import queue
 import threading
 from collections.abc import Iterator
+from typing import Any, Self
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -15,20 +16,62 @@ from sqlmodel import Session
 
 from fleet.api.deps import BoxDep, EngineDep, Operator, SessionDep, SettingsDep
 from fleet.api.responses import BulkPowerOutcome, BulkVerifyOutcome, PowerOutcome, VerifyOutcome
+from fleet.auth import Principal
 from fleet.bmc.base import Action
 from fleet.crypto import SecretBox
+from fleet.errors import ForbiddenError
 from fleet.inventory.servers import ServerFilter, list_servers
 from fleet.lifecycle.states import ServerState
-from fleet.models import Pool, exactly_one_of
+from fleet.models import Pool, Role, exactly_one_of
 from fleet.power.actions import PowerReport, load_servers, power, verify
+from fleet.power.gate import Override
 from fleet.settings import Settings
 
 router = APIRouter(tags=["power"])
 MAX_BULK = 10_000
 
 
-class PowerRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# The schema's form of "override_budget needs a reason", so that it refuses what the model
+# refuses (an absent override_budget is false).
+OVERRIDE_NEEDS_REASON: dict[str, Any] = {
+    "anyOf": [
+        {"properties": {"override_budget": {"const": False}}},
+        {"required": ["reason"], "properties": {"reason": {"type": "string"}}},
+    ]
+}
+
+
+class BudgetOverride(BaseModel):
+    """An admin's override of the rack budget gate for the power-ons of this request."""
+
+    override_budget: bool = Field(
+        default=False,
+        description="power on even past the rack's budget (admins only; needs a reason)",
+    )
+    # At least one non-blank character: the reason is what the rack shows until it is cleared.
+    reason: str | None = Field(default=None, min_length=1, max_length=500, pattern=r"\S")
+
+    @model_validator(mode="after")
+    def _override_needs_reason(self) -> Self:
+        if self.override_budget and self.reason is None:
+            raise ValueError("reason: a budget override (override_budget) needs a reason")
+        return self
+
+    def override(self, user: Principal) -> Override | None:
+        """The override asked for, if any; only an admin may ask (403 otherwise)."""
+        if not self.override_budget:
+            return None
+        if not user.may(Role.ADMIN):
+            raise ForbiddenError(
+                f"overriding a rack's power budget needs an admin; {user.actor} is "
+                f"{user.role.value}"
+            )
+        assert self.reason is not None
+        return Override(actor=user.actor, reason=self.reason)
+
+
+class PowerRequest(BudgetOverride):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=OVERRIDE_NEEDS_REASON)
     action: Action
 
 
@@ -60,7 +103,11 @@ class ChooseServers(BaseModel):
         return [row.name for row in rows]
 
 
-class BulkPowerRequest(ChooseServers):
+class BulkPowerRequest(ChooseServers, BudgetOverride):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={**exactly_one_of("servers", "select"), **OVERRIDE_NEEDS_REASON},
+    )
     action: Action
 
 
@@ -77,9 +124,12 @@ def power_one(
     box: BoxDep,
     settings: SettingsDep,
 ) -> PowerOutcome:
-    """Read back after acting; asking for the state the server is in sends nothing."""
+    """Read back after acting; asking for the state the server is in sends nothing. A
+    power-on (on, cycle) its rack's budget has no room for is refused (`ok` false, the error
+    naming the rack, the watts needed and the headroom) unless an admin overrides it."""
+    override = request.override(user)
     # No session of the request's: no transaction held open while a BMC takes its time.
-    [report] = power(engine, box, settings, [name], request.action, user.actor)
+    [report] = power(engine, box, settings, [name], request.action, user.actor, override=override)
     return _outcome(report)
 
 
@@ -109,15 +159,17 @@ def power_many(
     box: BoxDep,
     settings: SettingsDep,
 ) -> BulkPowerOutcome | StreamingResponse:
-    """Many servers at once: bounded concurrency, power-ons staggered per rack."""
+    """Many servers at once: bounded concurrency, power-ons staggered per rack, each through
+    its rack's budget gate (what fits is powered on; the rest fail with the refusal)."""
+    override = request.override(user)
     names = request.names(session)
     session.close()  # the bulk action opens its own sessions per server
     load_servers(engine, names)  # unknown names are a 404 before anything is sent
     action: Action = request.action
     if NDJSON in http.headers.get("accept", ""):
-        stream = _stream(engine, box, settings, names, action, user.actor)
+        stream = _stream(engine, box, settings, names, action, user.actor, override)
         return StreamingResponse(stream, media_type=NDJSON)
-    reports = power(engine, box, settings, names, action, user.actor)
+    reports = power(engine, box, settings, names, action, user.actor, override=override)
     return BulkPowerOutcome(
         count=len(reports),
         failed=sum(not r.ok for r in reports),
@@ -126,7 +178,13 @@ def power_many(
 
 
 def _stream(
-    engine: Engine, box: SecretBox, settings: Settings, names: list[str], action: Action, actor: str
+    engine: Engine,
+    box: SecretBox,
+    settings: Settings,
+    names: list[str],
+    action: Action,
+    actor: str,
+    override: Override | None,
 ) -> Iterator[str]:
     """Run the bulk action on a thread; yield each server's result as it lands (a progress
     bar for `fleetctl servers power`). Starlette iterates this in its thread pool."""
@@ -134,7 +192,7 @@ def _stream(
 
     def work() -> None:
         try:
-            power(engine, box, settings, names, action, actor, on_done=done.put)
+            power(engine, box, settings, names, action, actor, on_done=done.put, override=override)
         except BaseException as exc:  # reported in the stream: the status line is gone
             done.put(exc)
         finally:
