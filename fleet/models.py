@@ -470,6 +470,16 @@ class _Update(SQLModel):
         return self
 
 
+class RackUpdate(_Update):
+    """What an operator may change on a rack through the API (`PATCH /racks/{name}`): how its
+    servers commit power (docs/power.md). The inventory file sets the same fields."""
+
+    model_config = SQLModelConfig(extra="forbid")
+
+    budget_mode: BudgetMode | None = None
+    budget_margin: OptNumber = Field(default=None, ge=1.0, le=2.0)
+
+
 class ServerUpdate(_Update):
     """What an operator may change on a server through the API (not its state). A new BMC
     endpoint drops the stored password unless one comes with it; the credentials themselves

@@ -115,7 +115,7 @@ def create_app(
     app.state.loops = loops
     app.state.readiness = readiness
     registry = CollectorRegistry()
-    registry.register(FleetCollector(engine))
+    registry.register(FleetCollector(engine, settings))
     registry.register(LoopCollector(loops))
     app.state.registry = registry
     http_metrics = HttpMetrics(registry)

@@ -1,7 +1,7 @@
 """Prometheus metrics of the fleet service (docs/metrics.md lists every series).
 
-- `FleetCollector`: the fleet as the database holds it, read on each scrape (servers, racks,
-  deployments, decisions, warm pool, autopilot, boot and load durations:
+- `FleetCollector`: the fleet as the database holds it, read on each scrape (servers, racks
+  and their measured power, deployments, decisions, warm pool, autopilot, boot and load durations:
   fleet/observability/fleet_metrics.py),
   and the BMC calls this process made (fleet/bmc/metrics.py).
 - `LoopCollector`: the singleton loops of this process.
@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -24,17 +25,19 @@ from starlette.types import Scope
 from fleet.bmc import metrics as bmc_metrics
 from fleet.control.loops import SingletonLoop
 from fleet.lifecycle.states import ServerState
-from fleet.models import PowerState, Rack, Server, Site
+from fleet.models import BudgetMode, PowerState, Rack, Server, Site, utcnow
 from fleet.observability.fleet_metrics import MeasuredDurations, families
-from fleet.power.racks import rack_views
+from fleet.power.racks import RackView, is_fresh, rack_views
 from fleet.power.reconcile_policy import is_mismatched
+from fleet.settings import Settings, get_settings
 
 
 class FleetCollector(Collector):
     """The fleet read from the database on each scrape, and this process's BMC calls."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, settings: Settings | None = None) -> None:
         self._engine = engine
+        self._settings = settings or get_settings()
         self._durations = MeasuredDurations()
 
     def collect(self) -> Iterator[Metric]:
@@ -52,6 +55,7 @@ class FleetCollector(Collector):
         headroom = GaugeMetricFamily(
             "fleet_rack_headroom_watts", "Budget minus committed power", labels=["rack"]
         )
+        power = _PowerFamilies()
         mismatched = GaugeMetricFamily(
             "fleet_power_mismatch_servers",
             "Servers whose BMC power state contradicts their lifecycle state (for an operator)",
@@ -77,14 +81,104 @@ class FleetCollector(Collector):
             )
             for state, pool, site, gpu_model, count in rows:
                 servers.add_metric([str(state), str(pool), site, gpu_model], count)
-            for view in rack_views(session):
+            now = utcnow()
+            for view in rack_views(session, now=now, settings=self._settings):
                 budget.add_metric([view.rack.name], view.power.budget_w)
                 committed.add_metric([view.rack.name], view.power.committed_w)
                 headroom.add_metric([view.rack.name], view.power.headroom_w)
+                power.add_rack(view)
+            power.add_servers(session, now, self._settings)
             more = families(session, self._durations)
         yield from (servers, budget, committed, headroom, mismatched, unreachable)
+        yield from power.all()
         yield from more
         yield from bmc_metrics.collect()
+
+
+class _PowerFamilies:
+    """Measured rack and server power (docs/power.md). A figure not known (no fresh reading,
+    no history yet) is left out, not exported as 0: an absent series means unknown."""
+
+    def __init__(self) -> None:
+        rack = ["rack"]
+        self.drawn = GaugeMetricFamily(
+            "fleet_rack_drawn_watts",
+            "Power the rack's servers draw now: their fresh readings summed (BMC, else estimate)",
+            labels=rack,
+        )
+        self.estimated = GaugeMetricFamily(
+            "fleet_rack_drawn_estimated_watts",
+            "The part of the rack's drawn power that is agent-based estimates",
+            labels=rack,
+        )
+        self.peak = GaugeMetricFamily(
+            "fleet_rack_drawn_peak_24h_watts",
+            "The rack's largest drawn power over the last 24 hours (closed buckets)",
+            labels=rack,
+        )
+        self.p99 = GaugeMetricFamily(
+            "fleet_rack_drawn_p99_7d_watts",
+            "p99 of the rack's drawn power over the last 7 days (closed buckets)",
+            labels=rack,
+        )
+        self.measured = GaugeMetricFamily(
+            "fleet_rack_budget_measured",
+            "1 where the rack commits servers at their measured draw, 0 at nameplate",
+            labels=rack,
+        )
+        self.cap = GaugeMetricFamily(
+            "fleet_rack_gpu_cap_ratio",
+            "GPU power limit the cap valve holds on the rack's serving GPUs, of TDP (1: none)",
+            labels=rack,
+        )
+        self.override = GaugeMetricFamily(
+            "fleet_rack_budget_override",
+            "1 while an admin's override of the rack's budget holds",
+            labels=rack,
+        )
+        self.server = GaugeMetricFamily(
+            "fleet_server_drawn_watts",
+            "Power a server draws now: its BMC's reading, or the agent's GPU power plus idle",
+            labels=["server", "rack", "source"],
+        )
+
+    def add_rack(self, view: RackView) -> None:
+        name = [view.rack.name]
+        if view.drawn_w is not None:
+            self.drawn.add_metric(name, view.drawn_w)
+            self.estimated.add_metric(name, view.drawn_estimated_w)
+        if view.peak_24h_w is not None:
+            self.peak.add_metric(name, view.peak_24h_w)
+        if view.p99_7d_w is not None:
+            self.p99.add_metric(name, view.p99_7d_w)
+        self.measured.add_metric(name, float(view.rack.budget_mode == BudgetMode.MEASURED))
+        cap = view.rack.gpu_cap_pct
+        self.cap.add_metric(name, 1.0 if cap is None else cap / 100.0)
+        self.override.add_metric(name, float(view.rack.budget_override_at is not None))
+
+    def add_servers(self, session: Session, now: datetime, settings: Settings) -> None:
+        columns = (Server.name, Rack.name, Server.drawn_w, Server.drawn_source, Server.drawn_at)
+        rows = session.connection().execute(
+            sa.select(*(col(c) for c in columns))
+            .join(Rack, col(Rack.id) == Server.rack_id)
+            .where(col(Server.drawn_w).is_not(None))
+        )
+        for row in rows:
+            if is_fresh(row.drawn_at, now, settings):
+                labels = [str(row[0]), str(row[1]), str(row.drawn_source or "bmc")]
+                self.server.add_metric(labels, row.drawn_w)
+
+    def all(self) -> tuple[Metric, ...]:
+        return (
+            self.drawn,
+            self.estimated,
+            self.peak,
+            self.p99,
+            self.measured,
+            self.cap,
+            self.override,
+            self.server,
+        )
 
 
 class LoopCollector(Collector):

@@ -5,9 +5,9 @@ service); every other command talks to a running service at --url / FLEET_URL wi
 --token / FLEET_TOKEN. Errors are one line on stderr and a non-zero exit code.
 
 This module only assembles the app: one module per command group (db, tokens, serve, agent,
-router, inventory, servers, deployments, events, spares, autoscaler, schedule, prometheus, lab,
-simulate, demo), what they share in fleet/cli/common.py. The modules import the service's code
-inside each command, so that `fleetctl --help` stays fast.
+router, inventory, servers, racks, deployments, events, spares, autoscaler, schedule,
+prometheus, lab, simulate, demo), what they share in fleet/cli/common.py. The modules import
+the service's code inside each command, so that `fleetctl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fleet.cli import (
     inventory,
     lab,
     prometheus,
+    racks,
     router,
     schedule,
     serve,
@@ -43,7 +44,6 @@ app.callback()(common.root_options)
 app.command("secret-key")(tokens.secret_key)
 app.command("serve")(serve.serve)
 app.command("sites")(servers.sites)
-app.command("racks")(servers.racks)
 app.command("events")(events.events)
 app.command("prometheus-config")(prometheus.prometheus_config)
 app.command("simulate")(simulate.simulate)
@@ -55,6 +55,7 @@ app.add_typer(db.db_app, name="db")
 app.add_typer(tokens.token_app, name="token")
 app.add_typer(inventory.inventory_app, name="inventory")
 app.add_typer(servers.servers_app, name="servers")
+app.add_typer(racks.racks_app, name="racks")
 app.add_typer(deployments.deployments_app, name="deployments")
 app.add_typer(agent.agent_app, name="agent")
 app.add_typer(router.router_app, name="router")

@@ -1,4 +1,4 @@
-"""`fleetctl sites`, `racks` and `servers`: listing, power, verify and the operator's
+"""`fleetctl sites` and `servers`: listing, power, verify and the operator's
 lifecycle moves (transition, drain, maintenance, release, retire)."""
 
 from __future__ import annotations
@@ -38,16 +38,6 @@ SITE_COLUMNS = [
     ("rack_count", "racks #"),
     ("server_count", "servers #"),
 ]
-RACK_COLUMNS = [
-    ("name", "rack"),
-    ("site", "site"),
-    ("status", "status"),
-    ("servers", "servers #"),
-    ("budget_w", "budget W"),
-    ("committed_w", "committed W"),
-    ("headroom_w", "headroom W"),
-    ("all_on_w", "all-on W"),
-]
 SERVER_COLUMNS = [
     ("name", "server"),
     ("site", "site"),
@@ -67,18 +57,6 @@ Limit = Annotated[int | None, typer.Option("--limit", help="At most this many ro
 def sites(url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE) -> None:
     """List sites."""
     show(list(api_client(url, token).pages("/api/v1/sites", None)), output, SITE_COLUMNS)
-
-
-@handled
-def racks(
-    site: Annotated[str | None, typer.Option(help="Only this site.")] = None,
-    url: Url = DEFAULT_URL,
-    token: Token = None,
-    output: Out = Output.TABLE,
-) -> None:
-    """List racks with power budget, committed draw and headroom."""
-    rows = list(api_client(url, token).pages("/api/v1/racks", None, site=site))
-    show(rows, output, RACK_COLUMNS)
 
 
 @servers_app.command("list")

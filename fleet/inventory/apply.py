@@ -211,6 +211,8 @@ def _collect(inv: InventoryFile, existing: _Existing, errors: list[str]) -> _Pla
                     "u_height": rack.u_height,
                     "status": rack.status,
                     "description": rack.description,
+                    # Only what the file sets: left out, the fleet's mode and margin stay.
+                    **rack.model_dump(include=set(_RACK_POWER_FIELDS), exclude_none=True),
                 }
             for fi, feed in enumerate(rack.feeds):
                 fwhere = f"{rwhere}.feeds[{fi}]"
@@ -329,6 +331,11 @@ def _check(plan: _Plan, existing: _Existing, errors: list[str]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Diff and apply
+
+
+# A rack's fields an import sets; the budget mode and margin only where the file gives them.
+_RACK_POWER_FIELDS = ("budget_mode", "budget_margin")
+_RACK_FIELDS = ("u_height", "status", "description", *_RACK_POWER_FIELDS)
 
 
 def _diff(obj: Any, desired: dict[str, Any]) -> list[str]:
@@ -456,7 +463,7 @@ def plan(
         robj = existing.racks.get(name)
         fields: list[str] = []
         if robj is not None:
-            fields = _diff(robj, {k: r[k] for k in ("u_height", "status", "description")})
+            fields = _diff(robj, {k: r[k] for k in _RACK_FIELDS if k in r})
             if site_ids.get(r["site"]) != robj.site_id:
                 fields.append("site")
         record("rack", name, robj, fields)
@@ -560,6 +567,9 @@ def _apply(
             rack = racks.get(name) or Rack(name=name, site_id=site_id)
             rack.site_id, rack.u_height, rack.status = site_id, r["u_height"], r["status"]
             rack.description, rack.updated_at = r["description"], now
+            for k in _RACK_POWER_FIELDS:
+                if k in r:
+                    setattr(rack, k, r[k])
             session.add(rack)
             racks[name] = rack
     session.flush()

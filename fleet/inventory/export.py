@@ -35,6 +35,8 @@ def export_inventory(session: Session) -> dict[str, Any]:
                     "u_height": rack.u_height,
                     "status": str(rack.status),
                     "description": rack.description,
+                    "budget_mode": str(rack.budget_mode),
+                    "budget_margin": rack.budget_margin,
                     "feeds": [_feed(f) for f in feeds_by_rack.get(rack.id or -1, [])],
                     "servers": [_server(s) for s in servers_by_rack.get(rack.id or -1, [])],
                 }

@@ -29,6 +29,7 @@ from fleet.models import (
     MAX_WATTS,
     NAME_PATTERN,
     BmcProtocol,
+    BudgetMode,
     EngineParams,
     FeedSide,
     GpuModelNames,
@@ -36,6 +37,7 @@ from fleet.models import (
     ModelUris,
     Number,
     OptInt,
+    OptNumber,
     Phase,
     Pool,
     RackStatus,
@@ -134,6 +136,11 @@ class RackIn(_Strict):
     u_height: Int = Field(default=42, ge=1, le=60)
     status: RackStatus = RackStatus.ACTIVE
     description: Description = ""
+    # How its servers commit power (docs/power.md). Left out: the fleet's value is kept (a new
+    # rack: nameplate, margin 1.15), so re-importing an older file does not undo a
+    # `PATCH /racks/{name}`.
+    budget_mode: BudgetMode | None = None
+    budget_margin: OptNumber = Field(default=None, ge=1.0, le=2.0)
     feeds: list[FeedIn] = Field(default_factory=list)
     servers: list[ServerIn] = Field(default_factory=list)
 

@@ -7,8 +7,20 @@ import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from fleet.errors import NotFoundError
-from fleet.models import PowerFeed, PowerFeedPublic, Rack, RackPublic, Server, Site, SitePublic
+from fleet.events import record_update, set_fields
+from fleet.models import (
+    PowerFeed,
+    PowerFeedPublic,
+    Rack,
+    RackPublic,
+    RackUpdate,
+    Server,
+    Site,
+    SitePublic,
+)
 from fleet.power.racks import RackView, rack_views, usable_watts
+from fleet.provisioning.boots import placement_lock
+from fleet.settings import Settings
 
 
 def list_sites(session: Session, name: str | None = None) -> list[SitePublic]:
@@ -39,9 +51,19 @@ def get_site(session: Session, name: str) -> SitePublic:
     return sites[0]
 
 
+def _w(watts: float | None) -> float | None:
+    return None if watts is None else round(watts, 1)
+
+
 def rack_public(view: RackView) -> RackPublic:
+    rack = view.rack
     return RackPublic(
-        **view.rack.model_dump(exclude={"id", "site_id", "created_at", "updated_at"}),
+        name=rack.name,
+        u_height=rack.u_height,
+        status=rack.status,
+        description=rack.description,
+        budget_mode=rack.budget_mode,
+        budget_margin=rack.budget_margin,
         site=view.site,
         feeds=view.feeds,
         servers=view.servers,
@@ -49,18 +71,54 @@ def rack_public(view: RackView) -> RackPublic:
         committed_w=round(view.power.committed_w, 1),
         headroom_w=round(view.power.headroom_w, 1),
         all_on_w=round(view.power.all_on_w, 1),
+        drawn_w=_w(view.drawn_w),
+        drawn_estimated_w=round(view.drawn_estimated_w, 1),
+        peak_24h_w=_w(view.peak_24h_w),
+        p99_7d_w=_w(view.p99_7d_w),
+        budget_override_reason=rack.budget_override_reason,
+        budget_override_by=rack.budget_override_by,
+        budget_override_at=rack.budget_override_at,
+        gpu_cap_pct=rack.gpu_cap_pct,
     )
 
 
-def list_racks(session: Session, site: str | None = None) -> list[RackPublic]:
-    return [rack_public(v) for v in rack_views(session, site=site)]
+def list_racks(
+    session: Session, site: str | None = None, *, settings: Settings | None = None
+) -> list[RackPublic]:
+    return [rack_public(v) for v in rack_views(session, site=site, settings=settings)]
 
 
-def get_rack(session: Session, name: str) -> RackPublic:
-    views = rack_views(session, rack=name)
+def get_rack(session: Session, name: str, *, settings: Settings | None = None) -> RackPublic:
+    views = rack_views(session, rack=name, settings=settings)
     if not views:
         raise NotFoundError(f"no rack named {name!r}")
     return rack_public(views[0])
+
+
+def update_rack(
+    session: Session,
+    name: str,
+    update: RackUpdate,
+    actor: str,
+    *,
+    settings: Settings | None = None,
+) -> RackPublic:
+    """Apply an operator's edit of a rack's budget mode or margin, recorded as an Event naming
+    the fields changed. Under the placement lock, so that an admission by the gate or a
+    placement (which hold it) weighs the rack by the old mode or the new one, never both."""
+    with placement_lock(session):
+        rack = session.exec(select(Rack).where(Rack.name == name)).one_or_none()
+        if rack is None:
+            raise NotFoundError(f"no rack named {name!r}")
+        before = {"budget_mode": str(rack.budget_mode), "budget_margin": rack.budget_margin}
+        changed = set_fields(rack, update.model_dump(exclude_unset=True))
+        after = {"budget_mode": str(rack.budget_mode), "budget_margin": rack.budget_margin}
+        # Mode and margin are not secrets: the event says what they were and are.
+        shown = ", ".join(f"{f} {before[f]} → {after[f]}" for f in changed)
+        message = f"updated through the API: {shown}"
+        record_update(session, rack, "rack", name, changed, actor, message)
+        session.commit()
+    return get_rack(session, name, settings=settings)
 
 
 def list_feeds(session: Session, rack: str | None = None) -> list[PowerFeedPublic]:

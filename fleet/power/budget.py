@@ -45,10 +45,21 @@ class RackPower:
     budget_w: float
     committed_w: float
     all_on_w: float
+    # What the rack's servers draw now, as measured (None: no reading). A commitment is a
+    # forecast; a reading above it is a fact, so headroom counts whichever is larger.
+    drawn_w: float | None = None
+
+    @property
+    def load_w(self) -> float:
+        """What headroom is counted from: the committed draw, or the drawn one when larger."""
+        if self.drawn_w is None:
+            return self.committed_w
+        return max(self.committed_w, self.drawn_w)
 
     @property
     def headroom_w(self) -> float:
-        return self.budget_w - self.committed_w
+        """Budget minus load: at 100 % drawn or more, none (no boot fits: caps.admits_boot)."""
+        return self.budget_w - self.load_w
 
     @property
     def oversubscribed_w(self) -> float:
@@ -97,10 +108,13 @@ def measured_commit_w(
     return min(max_w, max(idle_w, p99_w * margin))
 
 
-def rack_power(feeds: Iterable[Feed], servers: Iterable[ServerDraw]) -> RackPower:
+def rack_power(
+    feeds: Iterable[Feed], servers: Iterable[ServerDraw], drawn_w: float | None = None
+) -> RackPower:
     servers = list(servers)
     return RackPower(
         budget_w=rack_budget(feeds),
         committed_w=committed_watts(servers),
         all_on_w=sum(s.max_w for s in servers),
+        drawn_w=drawn_w,
     )

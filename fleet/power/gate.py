@@ -196,7 +196,7 @@ def admit(
         if row is None:
             raise NotFoundError(f"no server named {server_name!r}")
         server, rack = row
-        [view] = rack_views(session, rack=rack.name, now=now, settings=settings)
+        [view] = rack_views(session, rack=rack.name, now=now, settings=settings, with_history=False)
         known_on = _known_on(server, now)
         need = power_on_need(
             rack=rack.name,
@@ -305,7 +305,7 @@ def clear_settled_overrides(
     if not overridden:
         return []
     cleared: list[str] = []
-    for view in rack_views(session, now=now, settings=settings):
+    for view in rack_views(session, now=now, settings=settings, with_history=False):
         if view.rack.name not in overridden or view.power.headroom_w < 0:
             continue
         rack = view.rack

@@ -8,41 +8,29 @@ processes; the tick (fleet/provisioning/tick.py) then powers them on. An operato
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet import locks
 from fleet.errors import FleetError, NotFoundError
 from fleet.inventory.servers import NO_PASSWORD
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Pool, Rack, Server, Site, utcnow
-from fleet.power.racks import rack_views
+
+# The placement lock (the headroom check and the commitment, atomic across processes) is the
+# budget gate's: one lock for every path that raises a rack's draw. Re-exported for the tick.
+from fleet.power.gate import PLACEMENT_LOCK as PLACEMENT_LOCK
+from fleet.power.gate import placement_lock as placement_lock
+from fleet.power.racks import commit_watts, rack_views
 from fleet.provisioning import placement
+from fleet.settings import Settings
 
 S = ServerState
 # Servers that hold (or are about to hold) a deployment's replicas.
 ACTIVE = frozenset({S.BOOTING, S.LOADING, S.SERVING})
-
-
-# ---------------------------------------------------------------------------------------------
-# The placement lock: the headroom check and the boot commitment, atomic across processes
-
-
-PLACEMENT_LOCK = "fleet.placement"
-
-
-@contextmanager
-def placement_lock(session: Session) -> Iterator[None]:
-    """Held for one placement transaction, across service processes (fleet/locks.py): on
-    Postgres until the transaction ends, so commit inside the block."""
-    with locks.transaction_lock(session, PLACEMENT_LOCK):
-        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,24 +45,32 @@ class BootResult:
     reasons: tuple[str, ...]
 
 
-def _spares(session: Session, deployment: Deployment) -> list[placement.Spare]:
-    rows = session.exec(
-        select(Server, Rack.name, Site.name)
-        .join(Rack, col(Rack.id) == Server.rack_id)
-        .join(Site, col(Site.id) == Rack.site_id)
-        .where(Server.state == S.WARM, Server.pool == Pool.WARM)
-        # No BMC password (dropped when its BMC moved): it could not be powered on.
-        .where(Server.bmc_password_encrypted != NO_PASSWORD)
+def _spares(
+    session: Session, deployment: Deployment, *, settings: Settings | None = None
+) -> list[placement.Spare]:
+    """Every warm spare that could be powered on. Its `max_w` is what it commits once on
+    (fleet/power/racks.py `commit_watts`): in a `measured` rack its measured draw × margin,
+    so placement packs more of them under the same budget."""
+    rows = list(
+        session.exec(
+            select(Server, Rack, Site.name)
+            .join(Rack, col(Rack.id) == Server.rack_id)
+            .join(Site, col(Site.id) == Rack.site_id)
+            .where(Server.state == S.WARM, Server.pool == Pool.WARM)
+            # No BMC password (dropped when its BMC moved): it could not be powered on.
+            .where(Server.bmc_password_encrypted != NO_PASSWORD)
+        )
     )
+    commits = commit_watts(session, ((s, rack) for s, rack, _ in rows), settings=settings)
     return [
         placement.Spare(
             name=s.name,
             site=site,
-            rack=rack,
+            rack=rack.name,
             gpu_model=s.gpu_model,
             gpu_count=s.gpu_count,
             standby_w=s.standby_w,
-            max_w=s.max_w,
+            max_w=commits[s.name],
             models_cached=tuple(s.models_cached),
             boot_to_ready_s=s.boot_to_ready_s,
         )
@@ -82,13 +78,17 @@ def _spares(session: Session, deployment: Deployment) -> list[placement.Spare]:
     ]
 
 
-def rack_rooms(session: Session) -> dict[str, placement.RackRoom]:
-    """Every rack's power headroom, as placement weighs it."""
+def rack_rooms(
+    session: Session, *, settings: Settings | None = None
+) -> dict[str, placement.RackRoom]:
+    """Every rack's power headroom, as placement weighs it: budget less the larger of what
+    the rack committed and what it draws now, so a rack drawing its whole budget or more
+    takes no boot (fleet/power/caps.py, `admits_boot`)."""
     return {
         v.rack.name: placement.RackRoom(
             rack=v.rack.name, site=v.site, headroom_w=v.power.headroom_w
         )
-        for v in rack_views(session)
+        for v in rack_views(session, settings=settings, with_history=False)
     }
 
 

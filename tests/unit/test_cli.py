@@ -120,11 +120,17 @@ def test_racks_table_shows_power(fleetctl: Fleetctl) -> None:
         "committed W",
         "headroom W",
         "all-on W",
+        "mode",
+        "drawn W",
+        "peak 24h W",
+        "p99 7d W",
+        "GPU cap",
     ]
     assert sorted(rows) == sorted(r.name for r in DEMO.racks)
     # demo.yaml's own figures: 36,803 W budget, 40.8 kW all on; no BMC read yet, so every
     # server counts at its maximum and the rack shows negative headroom.
-    assert rows["fra1-r01"][4:] == ["36,803", "40,800", "-3,997", "40,800"]
+    assert rows["fra1-r01"][4:8] == ["36,803", "40,800", "-3,997", "40,800"]
+    assert rows["fra1-r01"][8:] == ["nameplate", "-", "-", "-", "-"]
     assert rows["ams1-r04"][4] == "34,776"
     for rack in DEMO.racks:
         draws = [ServerDraw(s.max_w, s.standby_w, draws_max_power(*IMPORTED)) for s in rack.servers]
@@ -136,7 +142,7 @@ def test_racks_table_shows_power(fleetctl: Fleetctl) -> None:
             watts(power.all_on_w),
         ]
         assert rows[rack.name][1:5] == [rack.site, "active", str(len(rack.servers)), expected[0]]
-        assert rows[rack.name][5:] == expected[1:]
+        assert rows[rack.name][5:8] == expected[1:]
     only = table_rows(fleetctl.ok("racks", "--site", "ams1").stdout)
     assert sorted(only) == sorted(["rack", *(r.name for r in DEMO.racks if r.site == "ams1")])
 

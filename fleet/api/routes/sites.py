@@ -1,4 +1,5 @@
-"""Sites, racks (with power budget, committed draw and headroom) and power feeds.
+"""Sites, racks (with power budget, committed and drawn power, headroom) and power feeds;
+an operator's edit of a rack's budget mode and margin.
 
 These tables are small (hundreds of rows, not thousands), so the lists page in memory.
 """
@@ -7,10 +8,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from fleet.api.deps import PagingDep, SessionDep, Viewer
+from fleet.api.deps import Operator, PagingDep, SessionDep, SettingsDep, Viewer
 from fleet.api.responses import Page
 from fleet.inventory import sites as service
-from fleet.models import PowerFeedPublic, RackPublic, SitePublic
+from fleet.models import PowerFeedPublic, RackPublic, RackUpdate, SitePublic
 
 router = APIRouter(tags=["inventory"])
 
@@ -27,14 +28,28 @@ def get_site(name: str, _: Viewer, session: SessionDep) -> SitePublic:
 
 @router.get("/racks")
 def list_racks(
-    _: Viewer, session: SessionDep, paging: PagingDep, site: str | None = None
+    _: Viewer,
+    session: SessionDep,
+    settings: SettingsDep,
+    paging: PagingDep,
+    site: str | None = None,
 ) -> Page[RackPublic]:
-    return paging.slice(service.list_racks(session, site))
+    return paging.slice(service.list_racks(session, site, settings=settings))
 
 
 @router.get("/racks/{name}")
-def get_rack(name: str, _: Viewer, session: SessionDep) -> RackPublic:
-    return service.get_rack(session, name)
+def get_rack(name: str, _: Viewer, session: SessionDep, settings: SettingsDep) -> RackPublic:
+    return service.get_rack(session, name, settings=settings)
+
+
+@router.patch("/racks/{name}")
+def edit_rack(
+    name: str, update: RackUpdate, user: Operator, session: SessionDep, settings: SettingsDep
+) -> RackPublic:
+    """Set how the rack's servers commit power: `budget_mode` nameplate (their maximum) or
+    measured (their p99 draw × `budget_margin`, 1.0-2.0; docs/power.md). 422 names the field
+    of a value that makes no sense."""
+    return service.update_rack(session, name, update, user.actor, settings=settings)
 
 
 @router.get("/feeds")
