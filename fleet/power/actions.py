@@ -34,7 +34,7 @@ from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
 from fleet.models import Event, Pool, PowerState, Rack, Server, utcnow
 from fleet.power import gate
-from fleet.power.gate import Override
+from fleet.power.gate import Admission, Override
 from fleet.settings import Settings
 
 
@@ -113,15 +113,20 @@ def gated_act_on(
     actor: str,
     *,
     override: Override | None = None,
+    admitted: Admission | None = None,
     drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
 ) -> ActionResult | PowerState:
     """`act_on`, a power-on (`on`, `cycle`) admitted by its rack's budget gate first
     (gate.BudgetRefused otherwise: nothing sent, nothing recorded against the server). The
     gate's write-ahead commitment goes once the BMC says on, or holds until the reconciler
-    can have read the server (fleet/power/gate.py `settle`)."""
+    can have read the server (fleet/power/gate.py `settle`). `admitted`: the admission a bulk
+    action made ahead, in its order (`admit_in_order`); asked again here, it passes while its
+    commitment holds and is checked afresh if it has run out meanwhile."""
     if action not in SPACED:
         return act_on(engine, box, settings, server, action, actor, drivers=drivers)
     admission = gate.admit(engine, settings, server.name, actor, override=override)
+    if admission.committed_until is None and admitted is not None:
+        admission = admitted  # still held by the commitment made ahead: settle that one
     try:
         result = act_on(engine, box, settings, server, action, actor, drivers=drivers)
     except ServerBusy:
@@ -133,6 +138,26 @@ def gated_act_on(
     after = result.state_after if isinstance(result, ActionResult) else result
     gate.settle(engine, settings, admission, confirmed=after is PowerState.ON)
     return result
+
+
+def admit_in_order(
+    engine: Engine,
+    settings: Settings,
+    names: Sequence[str],
+    actor: str,
+    *,
+    override: Override | None = None,
+) -> dict[str, Admission | gate.BudgetRefused]:
+    """The gate asked for each power-on of a bulk action in the order given, before any BMC
+    call: with several running at once per rack, asking only inside each job would let
+    whichever got the lock first win the last headroom. The order the operator gave decides."""
+    out: dict[str, Admission | gate.BudgetRefused] = {}
+    for name in names:
+        try:
+            out[name] = gate.admit(engine, settings, name, actor, override=override)
+        except gate.BudgetRefused as refused:
+            out[name] = refused
+    return out
 
 
 def _record(
@@ -250,9 +275,24 @@ def power(
     if stagger is None:
         stagger = power_stagger(settings, spaced=action in SPACED)
 
+    admissions = (
+        admit_in_order(engine, settings, names, actor, override=override)
+        if action in SPACED
+        else {}
+    )
+
     def job(server: Server) -> Callable[[], ActionResult | PowerState]:
+        admitted = admissions.get(server.name)
         return lambda: gated_act_on(
-            engine, box, settings, server, action, actor, override=override, drivers=drivers
+            engine,
+            box,
+            settings,
+            server,
+            action,
+            actor,
+            override=override,
+            admitted=admitted if isinstance(admitted, Admission) else None,
+            drivers=drivers,
         )
 
     def report(outcome: Outcome[ActionResult | PowerState]) -> PowerReport:
@@ -274,8 +314,11 @@ def power(
             on_done(done)
         return done
 
-    jobs = [Job(n, found[n][1], job(found[n][0])) for n in names]
     reports: dict[str, PowerReport] = {}
+    for name, refused in admissions.items():
+        if isinstance(refused, gate.BudgetRefused):  # refused ahead: no job, nothing sent
+            reports[name] = report(Outcome(name, found[name][1], None, refused, 0.0, 0.0))
+    jobs = [Job(n, found[n][1], job(found[n][0])) for n in names if n not in reports]
 
     def collect(outcome: Outcome[ActionResult | PowerState]) -> None:
         reports[outcome.server] = report(outcome)
@@ -305,6 +348,7 @@ def _settle_verify(
     found: PowerState,
     actor: str,
     drivers: Callable[[BmcTarget], PowerDriver],
+    admitted: Admission | gate.BudgetRefused | None = None,
 ) -> VerifyReport:
     """Phase two of verify for one enrolled server whose BMC answered (`found`):
     → warm (pool warm, found off) or → booting (pool baseline: powered on through the rack
@@ -318,7 +362,11 @@ def _settle_verify(
             why = "BMC verified; baseline server already on"
         else:
             try:
-                result = gated_act_on(engine, box, settings, server, "on", actor, drivers=drivers)
+                if isinstance(admitted, gate.BudgetRefused):
+                    raise admitted
+                result = gated_act_on(
+                    engine, box, settings, server, "on", actor, admitted=admitted, drivers=drivers
+                )
             except gate.BudgetRefused as refused:
                 hint = (
                     "it stays enrolled: make room in the rack, or an admin powers it on with "
@@ -387,17 +435,23 @@ def verify(
                 outcome.server, False, None, None, str(outcome.error)
             )
 
-    def move(server: Server, state: PowerState) -> Callable[[], VerifyReport]:
-        return lambda: _settle_verify(engine, box, settings, server, state, actor, drivers)
+    # Only a baseline server found not on is powered on: the others' jobs draw no inrush. The
+    # gate is asked for those in the order given, before any of them is powered on.
+    powered = [
+        n
+        for n in names
+        if n in states and found[n][0].pool == Pool.BASELINE and states[n] is not PowerState.ON
+    ]
+    admissions = admit_in_order(engine, settings, powered, actor)
 
-    # Only a baseline server found not on is powered on: the others' jobs draw no inrush.
-    move_jobs = [
-        Job(
-            n,
-            found[n][1],
-            move(found[n][0], state),
-            spaced=found[n][0].pool == Pool.BASELINE and state is not PowerState.ON,
+    def move(server: Server, state: PowerState) -> Callable[[], VerifyReport]:
+        admitted = admissions.get(server.name)
+        return lambda: _settle_verify(
+            engine, box, settings, server, state, actor, drivers, admitted
         )
+
+    move_jobs = [
+        Job(n, found[n][1], move(found[n][0], state), spaced=n in admissions)
         for n, state in states.items()
     ]
     for moved in run_bulk(move_jobs, power_stagger(settings, spaced=True)):

@@ -41,6 +41,10 @@ OVERRIDE_NEEDS_REASON: dict[str, Any] = {
 }
 
 
+_TEXT = "[^\\u0000-\\u001f\\u007f-\\u009f]"
+REASON_PATTERN = f"^{_TEXT}*[^\\s\\u0000-\\u001f\\u007f-\\u009f]{_TEXT}*$"
+
+
 class BudgetOverride(BaseModel):
     """An admin's override of the rack budget gate for the power-ons of this request."""
 
@@ -48,8 +52,9 @@ class BudgetOverride(BaseModel):
         default=False,
         description="power on even past the rack's budget (admins only; needs a reason)",
     )
-    # At least one non-blank character: the reason is what the rack shows until it is cleared.
-    reason: str | None = Field(default=None, min_length=1, max_length=500, pattern=r"\S")
+    # At least one non-blank character and no control character: the reason is what the rack
+    # shows until it is cleared.
+    reason: str | None = Field(default=None, min_length=1, max_length=500, pattern=REASON_PATTERN)
 
     @model_validator(mode="after")
     def _override_needs_reason(self) -> Self:
