@@ -36,6 +36,10 @@ class Summary:
     calendar_firings: int
     gpu_hours: float
     kwh: float
+    # The racks' drawn power as the fleet measured it (BMC readings, agent estimates), summed
+    # over racks: lowest and highest seen by the samples (None: no reading yet).
+    drawn_low_w: float | None = None
+    drawn_high_w: float | None = None
 
     def lines(self) -> list[str]:
         def s(value: float | None) -> str:
@@ -55,7 +59,13 @@ class Summary:
             f"autoscaler   {rules}; calendar firings: {self.calendar_firings}",
             f"energy       {self.gpu_hours:.3f} GPU-hours powered, {self.kwh:.3f} kWh "
             "(demo time, the lab's power model)",
+            f"rack draw    measured by the fleet from {kw(self.drawn_low_w)} to "
+            f"{kw(self.drawn_high_w)} (`fleetctl racks`; docs/power.md)",
         ]
+
+
+def kw(watts: float | None) -> str:
+    return "–" if watts is None else f"{watts / 1000:.2f} kW"
 
 
 def summarize(
@@ -90,6 +100,11 @@ def summarize(
         gpu_s += before.gpus_on * span
         kwh_s += before.power_w * span
     within = sum(1 for r in answered if r.latency_s is not None and r.latency_s <= sla_s)
+    drawn = [
+        sum(float(r["drawn_w"]) for r in sample.racks if r.get("drawn_w") is not None)
+        for sample in samples
+        if any(r.get("drawn_w") is not None for r in sample.racks)
+    ]
     return Summary(
         sent=len(results),
         answered=len(answered),
@@ -113,6 +128,8 @@ def summarize(
         calendar_firings=sum(1 for e in events if e.get("kind") == "schedule.fired"),
         gpu_hours=gpu_s / 3600,
         kwh=kwh_s / 3600 / 1000,
+        drawn_low_w=min(drawn) if drawn else None,
+        drawn_high_w=max(drawn) if drawn else None,
     )
 
 

@@ -105,6 +105,27 @@ def observe(world: World, replay: Replay, phase: str) -> Sample:
     )
 
 
+def _kw(watts: float | None) -> str:
+    return "-" if watts is None else f"{watts / 1000:.2f}"
+
+
+def drawn_kw(rack: dict[str, Any]) -> str:
+    """A rack's drawn power now as the fleet measured it, `~` where part is an estimate."""
+    drawn = rack.get("drawn_w")
+    if drawn is None:
+        return "-"
+    return f"{'~' if rack.get('drawn_estimated_w') else ''}{drawn / 1000:.2f}"
+
+
+def rack_drawn_kw(sample: Sample) -> str:
+    """The racks' drawn power summed, as the fleet measured it (`~`: part is an estimate)."""
+    drawn = [r for r in sample.racks if r.get("drawn_w") is not None]
+    if not drawn:
+        return "-"
+    estimated = any(r.get("drawn_estimated_w") for r in drawn)
+    return f"{'~' if estimated else ''}{sum(float(r['drawn_w']) for r in drawn) / 1000:.2f}"
+
+
 def _f(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -143,8 +164,8 @@ def render(sample: Sample, sla_s: float, header: str) -> Group:
         _f(sla_s),
     )
 
-    racks = Table(title="racks", expand=True)
-    for name in ("rack", "budget kW", "committed kW", "headroom kW", "drawn now kW"):
+    racks = Table(title="racks (drawn: the BMCs' readings, ~ where part is an agent estimate)")
+    for name in ("rack", "budget kW", "committed kW", "headroom kW", "drawn kW", "peak kW", "cap"):
         racks.add_column(name, justify="right")
     for rack in sample.racks:
         racks.add_row(
@@ -152,7 +173,9 @@ def render(sample: Sample, sla_s: float, header: str) -> Group:
             _f(rack["budget_w"] / 1000),
             _f(rack["committed_w"] / 1000),
             _f(rack["headroom_w"] / 1000),
-            _f(sample.power_w / 1000, 2),
+            drawn_kw(rack),
+            _kw(rack.get("peak_24h_w")),
+            "-" if rack.get("gpu_cap_pct") is None else f"{rack['gpu_cap_pct']:.0f} %",
         )
 
     events = Table(title="latest events", expand=True, show_header=False)
@@ -172,7 +195,8 @@ def line(sample: Sample) -> str:
         f"t={sample.t:5.0f}s {sample.phase:<22} offered={_f(sample.offered_rps)}/s "
         f"target={sample.target} booting={sample.on_the_way} serving={sample.serving} "
         f"floor={sample.floor} queue/GPU={_f(sample.queue_per_gpu, 2)} "
-        f"waiting={sample.router_waiting} p95={_f(sample.client_p95_s)}s [{states}]"
+        f"waiting={sample.router_waiting} p95={_f(sample.client_p95_s)}s "
+        f"drawn={rack_drawn_kw(sample)}kW [{states}]"
     )
 
 

@@ -66,7 +66,18 @@ def test_the_demo_runs_to_its_summary_and_leaves_nothing_behind(tmp_path: Path) 
         "where kind = 'server.transition' order by id"
     ).fetchall()
     kinds = [k for (k,) in db.execute("select kind from event order by id")]
+    # Measured draw moved with the traffic: the rack's buckets (the BMCs' readings, 5 s each)
+    # differ by more than noise, and the server whose BMC has no reading was metered through
+    # its agent's estimate, labelled so.
+    rack_peaks = [w for (w,) in db.execute("select max_w from power_sample where kind = 'rack'")]
+    estimated = db.execute(
+        "select count(*) from power_sample where kind = 'server' and estimated"
+    ).fetchone()[0]
     db.close()
+    assert len(rack_peaks) >= 5, rack_peaks
+    assert max(rack_peaks) > 1.2 * min(rack_peaks), rack_peaks
+    assert estimated > 0
+    assert "rack draw    measured by the fleet from" in out, out[-3000:]
     moves = [(frm, to) for _, frm, to, _ in rows]
     boots = [m for _, frm, to, m in rows if to == "booting" and frm == "warm"]
     assert len(boots) >= 3 and all("spare chosen by placement" in m for m in boots), boots
@@ -132,7 +143,16 @@ def test_the_live_view_and_the_log_line_render_a_sample() -> None:
         power_w=9800.0,
         gpus_on=16,
         racks=[
-            {"name": "ams1-r03", "budget_w": 36803.0, "committed_w": 12000.0, "headroom_w": 24803.0}
+            {
+                "name": "ams1-r03",
+                "budget_w": 36803.0,
+                "committed_w": 12000.0,
+                "headroom_w": 24803.0,
+                "drawn_w": 5230.0,
+                "drawn_estimated_w": 1200.0,
+                "peak_24h_w": 6100.0,
+                "gpu_cap_pct": None,
+            }
         ],
         events=[
             {"at": "2027-01-01T09:00:01+00:00", "subject": "llama-70b", "message": "target 3 → 4"}
@@ -142,6 +162,7 @@ def test_the_live_view_and_the_log_line_render_a_sample() -> None:
     console = Console(record=True, width=160)
     console.print(render(sample, 10.0, "Fleet demo"))
     text = console.export_text()
-    for expected in ("booting", "serving", "ams1-r03", "24.8", "target 3 → 4", "11.0"):
+    for expected in ("booting", "serving", "ams1-r03", "24.8", "target 3 → 4", "11.0", "~5.23"):
         assert expected in text, expected
     assert "t=   42s spike ×3" in line(sample) and "waiting=7" in line(sample)
+    assert "drawn=~5.23kW" in line(sample)
