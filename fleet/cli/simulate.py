@@ -29,7 +29,8 @@ def simulate(
         typer.Option(
             "--compare",
             help="Variants run on the SAME requests, comma-separated: a strategy, a batching "
-            "(continuous|static) or strategy/batching.",
+            "(continuous|static), strategy/batching, or a variant the scenario names under "
+            "`variants` (e.g. nameplate,measured).",
         ),
     ] = None,
     charts: Annotated[
@@ -90,6 +91,10 @@ def simulate(
         rows = [(loaded.name, summary)]
         chart(sim_charts.variant_name(result.deployments), result)
     typer.echo(sim.table(rows))
+    racks = sim.rack_table(rows)  # with `power:` (fleet/sim/power.py)
+    if racks:
+        typer.echo("")
+        typer.echo(racks)
     if not compare:
         for line in sim.report(result):
             typer.echo(line)

@@ -18,6 +18,8 @@ One PNG per run, three panels on one time axis (minutes of simulated time):
    below zero when the autoscaler gives back more than it drew (a drained replica of the
    initial fleet goes to the warm pool too). With the replicas booting and draining, and the
    ticks short of spares (warm-pool exhaustion). A run without the autoscaler says so.
+4. With a scenario's `power:` (fleet/sim/power.py): each rack's drawn power (its samples, kW)
+   against its budget (dashed), exceedances marked.
 
 The series functions take plain data and return plain lists (tests/unit/test_sim_charts.py);
 `render` draws them with matplotlib (Agg backend, imported only when drawing).
@@ -355,9 +357,15 @@ def render(
     import matplotlib.pyplot as plt
 
     data = chart_data(result, shared_warm_pool)
-    fig, (top, middle, bottom) = plt.subplots(
-        3, 1, figsize=(11, 10), sharex=True, height_ratios=(1.2, 1.2, 0.9)
-    )
+    power = result.power
+    if power is None:
+        fig, (top, middle, bottom) = plt.subplots(
+            3, 1, figsize=(11, 10), sharex=True, height_ratios=(1.2, 1.2, 0.9)
+        )
+    else:
+        fig, (top, middle, bottom, racks) = plt.subplots(
+            4, 1, figsize=(11, 13), sharex=True, height_ratios=(1.2, 1.2, 0.9, 1.1)
+        )
 
     # 1. demand vs capacity
     top.step(
@@ -451,7 +459,30 @@ def render(
         bottom.set_ylabel("replicas")
         bottom.legend(loc="best", fontsize=8)
     bottom.set_title("spares in use (dotted: the pool at the start)", fontsize=10)
-    bottom.set_xlabel("minutes of simulated time")
+    if power is not None:
+        for k, rack in enumerate(power.racks[: 2 * MAX_LINES]):
+            color = f"C{k}"
+            t_min = _minutes(rack.times)
+            racks.plot(t_min, [w / 1000 for w in rack.drawn_w], color=color, label=rack.rack)
+            racks.axhline(rack.budget_w / 1000, color=color, linestyle="--", linewidth=1)
+            over = [
+                (t, w / 1000) for t, w in zip(t_min, rack.drawn_w, strict=True) if w > rack.budget_w
+            ]
+            if over:
+                racks.plot(
+                    [t for t, _ in over], [w for _, w in over], "x", color="C3", markersize=5
+                )
+        racks.set_ylim(bottom=0)
+        racks.set_ylabel("kW")
+        racks.legend(loc="best", fontsize=7, ncol=2)
+        racks.set_title(
+            f"drawn power per rack (dashed: its budget; x: an exceedance; "
+            f"{power.exceedances} in all)",
+            fontsize=10,
+        )
+        racks.set_xlabel("minutes of simulated time")
+    else:
+        bottom.set_xlabel("minutes of simulated time")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

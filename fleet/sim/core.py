@@ -62,6 +62,7 @@ from fleet.router.strategy import (
 )
 from fleet.sim import autoscale as auto
 from fleet.sim import faults as flt
+from fleet.sim import power as sim_power
 from fleet.sim import racks as sim_racks
 from fleet.sim.autoscale import AutoscaleSpec, Exhaustion, RouterLoad, ScalePoint
 from fleet.sim.calendar import DEFAULT_START, TICK_S, Calendar, Fired
@@ -165,6 +166,7 @@ class RunResult:
     faults: FaultCounts | None = None  # None: no deployment has faults
     fired: list[Fired] = field(default_factory=list)  # calendar windows fired
     engine_deployments: list[int] = field(default_factory=list)  # per engine: its deployment
+    power: sim_power.PowerReport | None = None  # the racks' power books (fleet/sim/power.py)
 
 
 class Simulation:
@@ -178,6 +180,8 @@ class Simulation:
         start: datetime = DEFAULT_START,  # the wall-clock time of simulated second 0
         calendar_interval_s: float = TICK_S,
         racks: Sequence[RackSpec] = (),
+        power: sim_power.PowerSpec | None = None,
+        power_from_s: float = 0.0,  # the power figures' means and peaks: samples after this
     ):
         self.now = 0.0
         self.per_iteration = per_iteration
@@ -200,6 +204,16 @@ class Simulation:
         self._placed: dict[str, str] = {}  # engine URL → its server's name
         for x in self._servers.values():
             self.shared_warm[x.gpu_model] = self.shared_warm.get(x.gpu_model, 0) + 1
+        # Drawn power, budget modes and the cap valve (fleet/sim/power.py)
+        if power is not None and not self.racks:
+            raise ValueError("power needs racks")
+        self.books = (
+            None
+            if power is None
+            else sim_power.PowerBooks(power, self.racks, self._servers.values())
+        )
+        self._power_from_s = power_from_s
+        self._on_server: dict[str, tuple[_Dep, str]] = {}  # server → its replica now
         self.timeline: list[ScalePoint] = []
         self.exhaustions: list[Exhaustion] = []
         # (time, seq, kind, deployment index, URL): autoscaler ticks and boots finishing
@@ -519,6 +533,9 @@ class Simulation:
                 url, engine = self._new_engine(dep, gpu, now)
                 if server is not None:
                     self._placed[url] = server
+                    if self.books is not None:
+                        self.books.placed(server, engine, now)
+                        self._on_server[server] = (dep, url)
                 dep.booting[url] = engine
                 cached = (
                     server is not None and dep.spec.model in self._servers[server].models_cached
@@ -566,6 +583,8 @@ class Simulation:
     # --- placement (fleet/sim/racks.py) ---------------------------------------------------------
 
     def _rooms(self) -> dict[str, placement.RackRoom]:
+        if self.books is not None:
+            return self.books.rooms()
         return sim_racks.rooms(
             self.racks, self._servers.values(), {x: x not in self._free for x in self._servers}
         )
@@ -589,7 +608,12 @@ class Simulation:
             servers=servers,
             running_per_rack=running,
         )
-        choice = placement.choose_spares(list(self._free.values()), self._rooms(), want)
+        free = (
+            list(self._free.values())
+            if self.books is None
+            else self.books.spares(self._free)  # what each commits once it boots
+        )
+        choice = placement.choose_spares(free, self._rooms(), want)
         picked = [self._free.pop(name) for name in choice.chosen]
         for x in picked:
             dep.warm[x.gpu_model] -= 1
@@ -600,6 +624,9 @@ class Simulation:
         server = self._placed.pop(url, None)
         if server is not None:
             self._free[server] = self._servers[server]
+            if self.books is not None:
+                self.books.off(server)
+                self._on_server.pop(server, None)
         elif self._servers and dep.warm is self.shared_warm:
             return  # a replica of the starting fleet: outside the modelled racks
         dep.warm[gpu] = dep.warm.get(gpu, 0) + 1
@@ -705,6 +732,9 @@ class Simulation:
             self.off_at[k] = self.now
             if (server := self._placed.pop(url, None)) is not None:
                 self._servers.pop(server)  # out of the fleet (its standby draw goes too)
+                if self.books is not None:
+                    self.books.gone(server)
+                    self._on_server.pop(server, None)
             return
         self.fault_counts.reboots += 1
         dep.reboot_history[url] = (remedy.reboot_fault, remedy.reboot_count)
@@ -765,6 +795,11 @@ class Simulation:
             self._timer(first + d.spec.autoscale.interval_s, "tick", d.index)
             if d.calendar is not None:
                 self._timer(0.0, "calendar", d.index)  # on the wall clock's ticks from start
+        if self.books is not None:
+            self._timer(first + self.books.spec.sample_s, "power", -1)
+            if self.books.spec.valve is not None:
+                self._timer(first + self.books.spec.valve.interval_s, "valve", -1)
+            self.books.sample(first, {})  # the first sample starts here
         inf = math.inf
         heappop, heappush = heapq.heappop, heapq.heappush
         engine_index = self._engine_index
@@ -815,6 +850,9 @@ class Simulation:
             elif tt <= ta:
                 t, _, kind, index, url = heapq.heappop(timers)
                 self.now = t
+                if kind == "power" or kind == "valve":
+                    self._power_timer(kind)
+                    continue
                 dep = deps[index]
                 if kind == "tick":
                     assert dep.spec.autoscale is not None
@@ -867,7 +905,32 @@ class Simulation:
             faults=self.fault_counts if any(d.spec.faults for d in deps) else None,
             fired=self.fired,
             engine_deployments=[self._engine_index[id(e)][0].index for _, e in self.engine_list],
+            power=None if self.books is None else self.books.report(first + self._power_from_s),
         )
+
+    # --- power (fleet/sim/power.py) -----------------------------------------------------------
+
+    def _power_timer(self, kind: str) -> None:
+        books = self.books
+        assert books is not None
+        now = self.now
+        if kind == "power":
+            serving = {}
+            for server, (dep, url) in self._on_server.items():
+                serving[server] = (
+                    url in dep.engines and url not in dep.draining and url not in dep.faulted
+                ) or url in dep.restarting
+            books.sample(now, serving)
+            self._timer(now + books.spec.sample_s, "power", -1)
+            return
+        valve = books.spec.valve
+        assert valve is not None
+        for rack in books.valve():
+            for server, engine in books.on_engines(rack):
+                if engine.set_limit(books.limit_w(server), now):
+                    self._schedule(engine)
+                    self._on_server[server][0].dirty[engine.url] = engine
+        self._timer(now + valve.interval_s, "valve", -1)
 
 
 # --- metrics ---------------------------------------------------------------------------------
@@ -909,6 +972,9 @@ class Summary:
     engine_restarts: int = 0
     reboots: int = 0
     quarantined: int = 0
+    # Power (fleet/sim/power.py; None without a scenario's `power`)
+    power: sim_power.PowerReport | None = None
+    served_p95: float = math.nan  # latency from routing to the last token (the router's wait out)
 
 
 def engine_kwh(gpu: str, engine: Engine, span_s: float) -> float:
@@ -974,4 +1040,6 @@ def summarize(result: RunResult, *, warmup: float = 0.0) -> Summary:
         engine_restarts=f.restarts if f else 0,
         reboots=f.reboots if f else 0,
         quarantined=f.quarantined if f else 0,
+        power=result.power,
+        served_p95=percentile(sorted(r.finish - r.routed for r in done), 95),
     )

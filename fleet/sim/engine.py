@@ -39,7 +39,7 @@ from heapq import heappop, heappush
 from math import sqrt
 from typing import Literal, Protocol
 
-from fleet_core import cost_model
+from fleet_core import cost_model, power_model
 from fleet_core.cost_model import EngineShape
 
 Batching = Literal["continuous", "static"]
@@ -83,6 +83,8 @@ class _Block:
     u: float  # first iteration's duration (runs)
     v: float  # growth per iteration (runs)
     lin: float  # u - v/2 (runs: S(k) = v/2·k² + lin·k), for the estimate of k
+    w: float  # per-GPU watts above idle while it runs (power tracking only; else 0)
+    throttled: bool  # its GPUs' power limit slowed it (power tracking only)
 
     # Written out: mypyc compiles this one, while a dataclass's generated __init__ would stay
     # interpreted (two blocks per request; fleet/sim/native.py).
@@ -96,6 +98,8 @@ class _Block:
         u: float = 0.0,
         v: float = 0.0,
         lin: float = 0.0,
+        w: float = 0.0,
+        throttled: bool = False,
     ) -> None:
         self.start = start
         self.end = end
@@ -105,6 +109,8 @@ class _Block:
         self.u = u
         self.v = v
         self.lin = lin
+        self.w = w
+        self.throttled = throttled
 
 
 class Engine:
@@ -150,6 +156,16 @@ class Engine:
         self._durations = _DURATIONS.setdefault(shape, {})
         self._max_batch = shape.max_batch_size
         self._max_tokens = shape.max_num_tokens
+        # Power (fleet/sim/power.py turns it on): each block's per-GPU watts from
+        # fleet_core/power_model.py, and under a GPU power limit its capped duration
+        self.power = False
+        self.limit_w: float | None = None  # per GPU; None: the default limit (TDP)
+        self.above_idle_j = 0.0  # per GPU: energy above idle of the blocks completed
+        self.throttled_s = 0.0  # seconds of completed blocks that the limit slowed
+        self._idle_w = power_model.idle_power_w(shape.gpu)
+        # (uncapped s, capped s, per-GPU watts above idle) by (decodes, prompt tokens, KV read)
+        # under the current limit
+        self._priced: dict[tuple[int, int, int], tuple[float, float, float]] = {}
 
     # --- state ---------------------------------------------------------------------------
 
@@ -168,6 +184,10 @@ class Engine:
         b = self.block
         if b is not None and now > b.start:
             self.busy_s += min(now, b.end) - b.start
+            if self.power:
+                self.above_idle_j += b.w * (min(now, b.end) - b.start)
+                if b.throttled:
+                    self.throttled_s += min(now, b.end) - b.start
         lost = [*self.waiting, *self.context, *(r for _, _, r in self.decoding)]
         self.waiting.clear()
         self.context.clear()
@@ -182,6 +202,55 @@ class Engine:
         if self.context:
             used += sum(r.computed for r in self.context)
         return min(1.0, used / self.kv_tokens)
+
+    def above_idle_j_at(self, now: float) -> float:
+        """Per GPU: the energy above idle drawn up to `now` (power tracking only)."""
+        b = self.block
+        if b is None or now <= b.start:
+            return self.above_idle_j
+        return self.above_idle_j + b.w * (min(now, b.end) - b.start)
+
+    def set_limit(self, limit_w: float | None, now: float) -> bool:
+        """The GPUs' power limit from `now` (None: the default). A decode run in progress is
+        cut after its iteration in progress, so the next block runs under the new limit (an
+        iteration already started finishes as it began). True when the engine's next event
+        time changed."""
+        if limit_w == self.limit_w:
+            return False
+        self.limit_w = limit_w
+        self._priced.clear()
+        b = self.block
+        if b is None:
+            return False
+        if b.start >= now:
+            self._plan(b.start)
+            return True
+        if b.run and b.iters > 1:
+            m = min(b.iters, max(1, self._count(b, now - b.start, strict=True)))
+            if m < b.iters:
+                b.iters = m
+                b.end = b.start + self._run_seconds(b, m)
+                return True
+        return False
+
+    def _price(self, decodes: int, tokens: int, kv: int) -> tuple[float, float, float]:
+        """(uncapped seconds, seconds under the limit, per-GPU watts above idle) of one
+        iteration (fleet_core/power_model.py)."""
+        key = (decodes, tokens, kv)
+        got = self._priced.get(key)
+        if got is None:
+            shape = self.shape
+            free = cost_model.iteration_seconds(shape, decodes, tokens, kv)
+            if self.limit_w is None:
+                got = (free, free, power_model.iteration_power_w(shape, decodes, tokens, kv))
+            else:
+                capped, w = power_model.capped_iteration(shape, decodes, tokens, kv, self.limit_w)
+                got = (free, max(free, capped), w)
+            got = (got[0], got[1], got[2] - self._idle_w)
+            if len(self._priced) >= _DURATIONS_KEPT:
+                self._priced.clear()
+            self._priced[key] = got
+        return got
 
     def output_left(self, now: float, expected: dict[int, float] | None = None) -> float:
         """What the router's books hold for this engine at `now`: Σ max(0, expected - streamed)
@@ -294,6 +363,10 @@ class Engine:
                     r.start = now
             if chunks:
                 kv = self.kv_const + b_dec * self.it + kv_ctx
+                if self.power:
+                    free, capped, w = self._price(b_dec, ctx, kv)
+                    self.block = _Block(now, now + capped, 1, chunks, w=w, throttled=capped > free)
+                    return
                 key = (b_dec, ctx, kv)
                 d = self._durations.get(key)
                 if d is None:
@@ -306,6 +379,12 @@ class Engine:
         if b_dec:
             kv = self.kv_const + b_dec * self.it
             if self.per_iteration:
+                if self.power:
+                    free, capped, w = self._price(b_dec, 0, kv)
+                    self.block = _Block(
+                        now, now + capped, 1, (), True, capped, 0.0, w=w, throttled=capped > free
+                    )
+                    return
                 d = cost_model.iteration_seconds(shape, b_dec, 0, kv)
                 self.block = _Block(now, now + d, 1, (), True, d, 0.0)
                 return
@@ -315,6 +394,26 @@ class Engine:
             k = self.decoding[0][0] - self.it if self.decoding else 1
             if k < 1:
                 k = 1
+            if self.power:
+                # The run's watts are its middle iteration's; under a limit every iteration
+                # stretches by the middle one's factor (the run stays affine).
+                free, capped, w = self._price(b_dec, 0, kv + b_dec * ((k - 1) // 2))
+                if capped > free:
+                    u *= capped / free
+                    v *= capped / free
+                self.block = _Block(
+                    now,
+                    now + (k * u + v * k * (k - 1) / 2),
+                    k,
+                    (),
+                    True,
+                    u,
+                    v,
+                    u - v / 2,
+                    w=w,
+                    throttled=capped > free,
+                )
+                return
             # the run's duration as `_run_seconds` computes it
             self.block = _Block(
                 now, now + (k * u + v * k * (k - 1) / 2), k, (), True, u, v, u - v / 2
@@ -329,6 +428,10 @@ class Engine:
         assert b is not None
         end = b.end
         self.busy_s += end - b.start
+        if self.power:
+            self.above_idle_j += b.w * (end - b.start)
+            if b.throttled:
+                self.throttled_s += end - b.start
         iters = b.iters
         self.iterations += iters
         it = self.it = self.it + iters

@@ -18,7 +18,13 @@ GPUs are the deployment's `tp_size` (as everywhere in the simulator).
 Server power defaults (`SERVER_POWER`, per GPU, watts) come from docs/hardware.md's
 figures as the demo inventory uses them (bench/gen_inventory.py): a DGX-class H100/H200 server
 is 10.2 kW maximum for 8 GPUs; a 4 × L40S server is quoted near 2.8 kW; standby (off, BMC
-only) has no published figure — 90 W and 40 W per server are ASSUMED.
+only) has no published figure — 90 W and 40 W per server are ASSUMED. Idle (on, GPUs idle:
+`SERVER_IDLE_W`, per GPU) is the demo inventory's assumption: 1,900 W for a DGX, 600 W for
+4 × L40S; only the drawn-power model reads it (fleet/sim/power.py).
+
+Budget modes (`budget_mode`, fleet/sim/power.py, with a scenario's `power:`): `nameplate`
+commits an on server at its `max_w`; `measured` at fleet/power/budget.py's
+`measured_commit_w` of its simulated draw (p99 over the window × `budget_margin`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ SERVER_POWER: dict[str, tuple[float, float]] = {
     "H200": (10_200 / 8, 90.0),
     "L40S": (2_800 / 4, 40.0),
 }
+# gpu model → idle W per GPU of a whole server (host included); unknown models: the H100's
+SERVER_IDLE_W: dict[str, float] = {"H100": 1_900 / 8, "H200": 1_900 / 8, "L40S": 600 / 4}
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,9 @@ class RackSpec:
     other_w: float = 0.0  # what else the rack's budget feeds, always on
     server_max_w: float | None = None  # per spare; None: SERVER_POWER × GPUs
     server_standby_w: float | None = None
+    server_idle_w: float | None = None  # None: SERVER_IDLE_W × GPUs
+    budget_mode: str = "nameplate"  # or "measured" (fleet/sim/power.py; needs `power`)
+    budget_margin: float = 1.15  # measured mode: p99 × this
 
 
 def server_watts(gpu: str, gpus: int, rack: RackSpec) -> tuple[float, float]:
@@ -55,6 +66,13 @@ def server_watts(gpu: str, gpus: int, rack: RackSpec) -> tuple[float, float]:
     max_w = rack.server_max_w if rack.server_max_w is not None else per_gpu * gpus
     standby_w = rack.server_standby_w if rack.server_standby_w is not None else standby
     return max_w, standby_w
+
+
+def server_idle_w(gpu: str, gpus: int, rack: RackSpec) -> float:
+    """What one spare server in `rack` draws on with its GPUs idle."""
+    if rack.server_idle_w is not None:
+        return rack.server_idle_w
+    return SERVER_IDLE_W.get(gpu, SERVER_IDLE_W["H100"]) * gpus
 
 
 def spares(racks: Iterable[RackSpec], gpus: int) -> list[placement.Spare]:

@@ -37,6 +37,18 @@
     # or, instead, spares in racks with power budgets (fleet/sim/racks.py,
     # fleet/provisioning/placement.py):
     # racks: [{name: r1, budget_w: 20000, spares: {H100: 4}, cached: [llama-3.1-8b]}]
+    #   a rack's budget from its feeds instead (fleet/power/budget.py rack_budget):
+    #   feeds: [{side: A, volts: 415, amps: 32, phase: three}, ...]
+    #   budget_mode: nameplate      # or measured (needs `power`), budget_margin: 1.15
+    # power:                    # drawn power, budget modes, the cap valve (fleet/sim/power.py)
+    #   sample_s: 5             # the drawn-power sample
+    #   window_s: 86400         # measured mode: a server's p99 over this (fleet/settings.py's)
+    #   min_history_s: 3600     # nameplate until this much of it exists
+    #   valve: {interval_s: 15, high_pct: 90, low_pct: 80, floor_pct: 50, step_pct: 10}
+    #                           # or valve: null (no cap valve)
+    # variants:                 # named for --compare: every rack's mode/margin, the valve
+    #   nameplate: {budget_mode: nameplate}
+    #   measured: {budget_mode: measured, budget_margin: 1.15}
     # faults: {xids_per_gpu_hour: 0.01}   # GPU Xids (fleet/sim/faults.py); per deployment too
     start: 2026-12-07T00:00:00Z # the wall-clock time of simulated second 0 (the default)
     calendar_interval_s: 30     # the calendar's tick (fleet/settings.py's default)
@@ -63,9 +75,11 @@ from pydantic import (
     model_validator,
 )
 
+from fleet.power.budget import Feed, rack_budget
 from fleet.router.strategy import STRATEGIES
 from fleet.sim import arrivals as arr
 from fleet.sim import calendar as sim_calendar
+from fleet.sim import power as sim_power
 from fleet.sim.autoscale import AutoscaleSpec, BootTime
 from fleet.sim.core import DeploymentSpec, RunResult, Simulation, Summary, summarize
 from fleet.sim.engine import SimRequest
@@ -160,14 +174,35 @@ class BootModel(_Strict):
 class ServerPowerModel(_Strict):
     max_w: float = Field(gt=0)
     standby_w: float = Field(ge=0)
+    idle_w: float | None = Field(default=None, gt=0)  # None: racks.SERVER_IDLE_W
+
+    @model_validator(mode="after")
+    def _order(self) -> ServerPowerModel:
+        if self.idle_w is not None and not self.standby_w <= self.idle_w <= self.max_w:
+            raise ValueError("need standby_w ≤ idle_w ≤ max_w")
+        return self
+
+
+class FeedModel(_Strict):
+    """One power feed (fleet/power/budget.py Feed)."""
+
+    side: str = Field(min_length=1)
+    volts: float = Field(gt=0)
+    amps: float = Field(gt=0)
+    phase: Literal["single", "three"] = "single"
+    max_utilisation_pct: float = Field(default=80.0, gt=0, le=100)
 
 
 class RackModel(_Strict):
-    """A rack of warm spares with a power budget (fleet/sim/racks.py)."""
+    """A rack of warm spares with a power budget (fleet/sim/racks.py): `budget_w`, or
+    `feeds` (the budget is fleet/power/budget.py's `rack_budget` of them)."""
 
     name: str = Field(min_length=1)
     site: str = "site"
-    budget_w: float = Field(gt=0)
+    budget_w: float | None = Field(default=None, gt=0)
+    feeds: list[FeedModel] = Field(default_factory=list)
+    budget_mode: Literal["nameplate", "measured"] = "nameplate"
+    budget_margin: float = Field(default=1.15, ge=1.0, le=2.0)
     spares: dict[str, int] = Field(default_factory=dict)  # GPU model → warm servers
     cached: list[str] = Field(default_factory=list)  # models on the spares' disks
     feed_sides: list[str] = Field(default_factory=lambda: ["A", "B"], min_length=1)
@@ -180,10 +215,25 @@ class RackModel(_Strict):
         _check_pool(v)
         return v
 
+    @model_validator(mode="after")
+    def _budget(self) -> RackModel:
+        if (self.budget_w is None) == (not self.feeds):
+            raise ValueError("give budget_w or feeds (one of them)")
+        if self.feeds and self.budget() <= 0:
+            raise ValueError("the feeds give no budget")
+        return self
+
+    def budget(self) -> float:
+        if self.budget_w is not None:
+            return self.budget_w
+        return rack_budget(
+            Feed(f.side, f.volts, f.amps, f.phase, f.max_utilisation_pct) for f in self.feeds
+        )
+
     def spec(self) -> RackSpec:
         return RackSpec(
             name=self.name,
-            budget_w=self.budget_w,
+            budget_w=self.budget(),
             site=self.site,
             spares=tuple((g, n) for g, n in self.spares.items() if n > 0),
             cached=tuple(self.cached),
@@ -191,6 +241,9 @@ class RackModel(_Strict):
             other_w=self.other_w,
             server_max_w=self.server.max_w if self.server else None,
             server_standby_w=self.server.standby_w if self.server else None,
+            server_idle_w=self.server.idle_w if self.server else None,
+            budget_mode=self.budget_mode,
+            budget_margin=self.budget_margin,
         )
 
 
@@ -381,6 +434,51 @@ class DeploymentModel(_Strict):
         )
 
 
+class ValveModel(_Strict):
+    """The cap valve's knobs (fleet/power/caps.py; defaults: fleet/settings.py)."""
+
+    interval_s: float = Field(default=sim_power.ValveSpec.interval_s, gt=0)
+    high_pct: float = Field(default=sim_power.ValveSpec.high_pct, gt=0, le=100)
+    low_pct: float = Field(default=sim_power.ValveSpec.low_pct, gt=0, le=100)
+    floor_pct: float = Field(default=sim_power.ValveSpec.floor_pct, gt=0, le=100)
+    step_pct: float = Field(default=sim_power.ValveSpec.step_pct, gt=0, le=50)
+
+    @model_validator(mode="after")
+    def _marks(self) -> ValveModel:
+        if not self.low_pct < self.high_pct:
+            raise ValueError("need low_pct < high_pct")
+        return self
+
+
+class PowerModel(_Strict):
+    """Drawn power, budget modes and the cap valve (fleet/sim/power.py)."""
+
+    sample_s: float = Field(default=sim_power.PowerSpec.sample_s, gt=0)
+    window_s: float = Field(default=sim_power.PowerSpec.window_s, gt=0)
+    min_history_s: float = Field(default=sim_power.PowerSpec.min_history_s, ge=0)
+    valve: ValveModel | None = ValveModel()
+
+    def spec(self, valve: bool = True) -> sim_power.PowerSpec:
+        v = self.valve if valve else None
+        return sim_power.PowerSpec(
+            sample_s=self.sample_s,
+            window_s=self.window_s,
+            min_history_s=self.min_history_s,
+            valve=None
+            if v is None
+            else sim_power.ValveSpec(v.interval_s, v.high_pct, v.low_pct, v.floor_pct, v.step_pct),
+        )
+
+
+class VariantModel(_Strict):
+    """A named variant for --compare: every rack's budget mode / margin, the valve on or
+    off; what it leaves out stays as the scenario says."""
+
+    budget_mode: Literal["nameplate", "measured"] | None = None
+    budget_margin: float | None = Field(default=None, ge=1.0, le=2.0)
+    valve: bool | None = None
+
+
 class Scenario(_Strict):
     name: str = "scenario"
     seed: int = 0
@@ -396,6 +494,38 @@ class Scenario(_Strict):
     # without an offset: UTC
     start: datetime = sim_calendar.DEFAULT_START
     calendar_interval_s: float = Field(default=sim_calendar.TICK_S, gt=0)
+    power: PowerModel | None = None  # drawn power etc. (fleet/sim/power.py); needs racks
+    power_valve: bool = True  # a variant may turn the valve off
+    variants: dict[str, VariantModel] = Field(default_factory=dict)
+
+    def variant(self, name: str) -> Scenario:
+        """The scenario as variant `name` changes it."""
+        v = self.variants[name]
+        racks = [
+            r.model_copy(
+                update={
+                    k: getattr(v, k)
+                    for k in ("budget_mode", "budget_margin")
+                    if getattr(v, k) is not None
+                }
+            )
+            for r in self.racks
+        ]
+        update: dict[str, object] = {"racks": racks}
+        if v.valve is not None:
+            update["power_valve"] = v.valve
+        return self.model_copy(update=update)
+
+    @model_validator(mode="after")
+    def _power(self) -> Scenario:
+        if self.power is not None and not self.racks:
+            raise ValueError("power needs racks")
+        if any(r.budget_mode == "measured" for r in self.racks) and self.power is None:
+            raise ValueError("a measured rack needs `power` (its draw is simulated there)")
+        for name, v in self.variants.items():
+            if v.budget_mode == "measured" and self.power is None:
+                raise ValueError(f"variant {name}: measured needs `power`")
+        return self
 
     @field_validator("warm_pool")
     @classmethod
@@ -535,6 +665,9 @@ def run_requests(
 ) -> RunResult:
     """One run; `seed` (default: the scenario's) draws the boot times."""
     specs = [d.spec(strategy, batching, scenario.faults) for d in scenario.deployments]
+    power_from = 0.0
+    if requests:  # the power figures leave out the warmup, as the summary does
+        power_from = requests[int(len(requests) * scenario.warmup)].arrival - requests[0].arrival
     sim = Simulation(
         specs,
         per_iteration=per_iteration,
@@ -543,6 +676,8 @@ def run_requests(
         start=scenario.start,
         calendar_interval_s=scenario.calendar_interval_s,
         racks=[r.spec() for r in scenario.racks],
+        power=None if scenario.power is None else scenario.power.spec(scenario.power_valve),
+        power_from_s=power_from,
     )
     return sim.run(_fresh(requests))
 
@@ -576,13 +711,17 @@ def compare(
     seed: int | None = None,
     on_result: Callable[[str, RunResult], None] | None = None,
 ) -> list[tuple[str, Summary]]:
-    """Each variant ("strategy", "batching" or "strategy/batching") on the SAME requests;
-    `on_result(variant, result)` sees each run (e.g. to chart it) before the next starts."""
+    """Each variant ("strategy", "batching", "strategy/batching", or one the scenario names
+    under `variants`) on the SAME requests; `on_result(variant, result)` sees each run (e.g.
+    to chart it) before the next starts."""
     requests = generate(scenario, seed)
     rows: list[tuple[str, Summary]] = []
     for v in variants:
-        strategy, batching = parse_variant(v)
-        result = run_requests(scenario, requests, strategy=strategy, batching=batching, seed=seed)
+        if v in scenario.variants:
+            strategy, batching, sc = None, None, scenario.variant(v)
+        else:
+            (strategy, batching), sc = parse_variant(v), scenario
+        result = run_requests(sc, requests, strategy=strategy, batching=batching, seed=seed)
         if on_result is not None:
             on_result(v, result)
         rows.append((v, summarize(result, warmup=scenario.warmup)))
@@ -600,6 +739,12 @@ def table(rows: Sequence[tuple[str, Summary]]) -> str:
     faults = any(s.xids for _, s in rows)
     if faults:
         head += f" {'xids':>5} {'fail':>5} {'retry':>5} {'boot':>5} {'quar':>5}"
+    power = any(s.power for _, s in rows)
+    if power:
+        head += (
+            f" {'srv p95':>8} {'servers':>7} {'peak':>5} {'srv/kW':>7} {'exceed':>6} "
+            f"{'thr GPU-s':>9}"
+        )
     lines = [head, "-" * len(head)]
     for name, s in rows:
         sla = "-" if s.sla_attainment is None else f"{100 * s.sla_attainment:.1f}%"
@@ -613,7 +758,47 @@ def table(rows: Sequence[tuple[str, Summary]]) -> str:
                 if faults
                 else ""
             )
+            + (_power_cells(s) if power else "")
         )
+    return "\n".join(lines)
+
+
+def _power_cells(s: Summary) -> str:
+    p = s.power
+    if p is None:
+        return f" {s.served_p95:>8.2f}" + " " * 41
+    return (
+        f" {s.served_p95:>8.2f} {p.serving_mean:>7.1f} {p.serving_peak:>5} "
+        f"{p.servers_per_kw:>7.3f} {p.exceedances:>6} {p.throttled_gpu_s:>9.0f}"
+    )
+
+
+def rack_table(rows: Sequence[tuple[str, Summary]]) -> str:
+    """Per rack, the variants side by side: servers serving (mean, peak), servers per kW of
+    budget, peak drawn kW, kW committed at the end, exceedances, throttled GPU-seconds and cap
+    changes."""
+    runs = [(name, s.power) for name, s in rows if s.power is not None]
+    if not runs:
+        return ""
+    racks = runs[0][1].racks
+    head = f"{'rack':<12} {'budget kW':>9}"
+    for name, _ in runs:
+        head += (
+            f" | {name[:12]:<12} {'mode':<9} {'srv':>5} {'peak':>4} {'srv/kW':>6} "
+            f"{'peak kW':>7} {'commit':>6} {'exc':>4} {'thr GPU-s':>9} {'caps':>4}"
+        )
+    lines = [head, "-" * len(head)]
+    for k, rack in enumerate(racks):
+        line = f"{rack.rack:<12} {rack.budget_w / 1000:>9.1f}"
+        for _, p in runs:
+            r = p.racks[k]
+            line += (
+                f" | {'':<12} {r.mode:<9} {r.serving_mean:>5.1f} {r.serving_peak:>4} "
+                f"{r.servers_per_kw:>6.3f} {r.peak_w / 1000:>7.1f} {r.committed_w / 1000:>6.1f} "
+                f"{r.exceedances:>4} "
+                f"{r.throttled_gpu_s:>9.0f} {r.cap_changes:>4}"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

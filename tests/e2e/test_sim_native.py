@@ -42,8 +42,10 @@ if xids > 0:
 requests = [r for r in sim.generate(loaded) if r.arrival < cut]
 out = {"active": native.active(), "runs": {}}
 for variant in variants or [""]:
-    strategy, batching = sim.parse_variant(variant) if variant else (None, None)
-    result = sim.run_requests(loaded, requests, strategy=strategy, batching=batching)
+    named = variant in loaded.variants
+    scenario = loaded.variant(variant) if named else loaded
+    strategy, batching = sim.parse_variant(variant) if variant and not named else (None, None)
+    result = sim.run_requests(scenario, requests, strategy=strategy, batching=batching)
     index = {id(e): k for k, (_, e) in enumerate(result.engines)}
     out["runs"][variant] = {
         "requests": [
@@ -54,6 +56,9 @@ for variant in variants or [""]:
         "report": sim.report(result),
         "timeline": [repr(p) for p in result.timeline],
         "busy": [repr(e.busy_s) for _, e in result.engines],
+        "power": None if result.power is None else [
+            [repr(w) for w in rack.drawn_w] for rack in result.power.racks
+        ],
     }
 print(json.dumps(out))
 """
@@ -79,6 +84,9 @@ CASES = [
     ("racks-faults.yaml", 2100.0, 6.0, []),
     # the calendar's floor ahead of a launch
     ("launch-calendar.yaml", 2100.0, 0.0, []),
+    # drawn power priced per block by the power model, nameplate and measured racks (the boots
+    # finish at ~10 min)
+    ("rack-power.yaml", 720.0, 0.0, ["nameplate", "measured"]),
 ]
 
 
