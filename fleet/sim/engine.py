@@ -222,6 +222,11 @@ class Engine:
         b = self.block
         if b is None:
             return False
+        return self._replan_or_cut(b, now)
+
+    def _replan_or_cut(self, b: _Block, now: float) -> bool:
+        """A block planned at this very instant is planned again (with what changed); a decode
+        run under way is cut after its current iteration. Whether the plan changed."""
         if b.start >= now:
             self._plan(b.start)
             return True
@@ -279,16 +284,7 @@ class Engine:
             return True
         if self.static:
             return False
-        if b.start >= now:  # planned at this very instant: plan again with the newcomer
-            self._plan(b.start)
-            return True
-        if b.run and b.iters > 1:
-            m = min(b.iters, max(1, self._count(b, now - b.start, strict=True)))
-            if m < b.iters:
-                b.iters = m
-                b.end = b.start + self._run_seconds(b, m)
-                return True
-        return False
+        return self._replan_or_cut(b, now)
 
     # --- blocks --------------------------------------------------------------------------
 
