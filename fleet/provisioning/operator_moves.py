@@ -14,6 +14,7 @@ from fleet.errors import ConflictError, NotFoundError
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Rack, Server, Site, utcnow
+from fleet.power.racks import commit_watts
 from fleet.provisioning import placement
 from fleet.provisioning.boots import rack_rooms, start_boot
 
@@ -31,15 +32,21 @@ def servers_named(session: Session, names: Sequence[str]) -> list[Server]:
 def warm_pool(session: Session) -> dict[str, object]:
     """Warm spares per site and GPU model, each with the watts booting it would commit."""
     rooms = rack_rooms(session)
-    rows = session.exec(
-        select(Server, Rack.name, Site.name)
-        .join(Rack, col(Rack.id) == Server.rack_id)
-        .join(Site, col(Site.id) == Rack.site_id)
-        .where(Server.state == S.WARM)
-        .order_by(col(Site.name), col(Server.gpu_model), col(Server.name))
+    rows = list(
+        session.exec(
+            select(Server, Rack, Site.name)
+            .join(Rack, col(Rack.id) == Server.rack_id)
+            .join(Site, col(Site.id) == Rack.site_id)
+            .where(Server.state == S.WARM)
+            .order_by(col(Site.name), col(Server.gpu_model), col(Server.name))
+        )
     )
+    # What each would commit once on: its maximum, or its measured commitment in a measured
+    # rack (placement weighs it the same way, fleet/provisioning/boots.py).
+    commits = commit_watts(session, ((server, rack) for server, rack, _ in rows))
     groups: dict[tuple[str, str], list[dict[str, object]]] = {}
-    for server, rack, site in rows:
+    for server, rack_row, site in rows:
+        rack = rack_row.name
         spare = placement.Spare(
             name=server.name,
             site=site,
@@ -47,7 +54,7 @@ def warm_pool(session: Session) -> dict[str, object]:
             gpu_model=server.gpu_model,
             gpu_count=server.gpu_count,
             standby_w=server.standby_w,
-            max_w=server.max_w,
+            max_w=commits[server.name],
         )
         groups.setdefault((site, server.gpu_model), []).append(
             {

@@ -53,6 +53,7 @@ from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Pool, PowerState, Rack, Server, utcnow
 from fleet.power.actions import SPACED, ServerBusy, act_on, power_stagger
+from fleet.power.racks import commit_watts
 from fleet.provisioning import placement, quality_probe
 from fleet.provisioning.autopilot import check_breaker, get_autopilot
 from fleet.provisioning.boots import ACTIVE, boot_spares, placement_lock, rack_rooms, start_boot
@@ -584,21 +585,23 @@ class ProvisionTick:
         with Session(self.engine) as session:
             rows = list(
                 session.exec(
-                    select(Server, Rack.name)
+                    select(Server, Rack)
                     .join(Rack, col(Rack.id) == Server.rack_id)
                     .where(Server.deployment_id == deployment.id, Server.state == S.SERVING)
                 )
             )
+            # What a release frees: its commitment (nameplate, or measured in a measured rack).
+            commits = commit_watts(session, rows)
             serving = [
                 placement.Serving(
                     name=s.name,
-                    rack=rack,
+                    rack=rack.name,
                     deployment=deployment.name,
                     in_flight=sum(
                         int(r.get("queued") or 0) + int(r.get("running") or 0)
                         for r in s.replicas or []
                     ),
-                    max_w=s.max_w,
+                    max_w=commits[s.name],
                     standby_w=s.standby_w,
                 )
                 for s, rack in rows

@@ -36,6 +36,7 @@ from fleet.models import (
 from fleet.power.caps import admits_boot
 from fleet.power.racks import FRESH_INTERVALS, commit_watts, rack_views
 from fleet.provisioning.boots import boot_spares, rack_rooms
+from fleet.provisioning.operator_moves import warm_pool
 from fleet.settings import Settings
 
 S = ServerState
@@ -262,6 +263,17 @@ def test_measured_rack_admits_more_boots_than_nameplate(
     with Session(db) as fresh:
         [view] = rack_views(fresh, settings=SETTINGS)
         assert view.power.committed_w <= view.power.budget_w  # the plan never exceeds it
+
+
+def test_the_warm_pool_shows_a_measured_racks_boot_cost(session: Session) -> None:
+    """`fleetctl spares` weighs a spare as placement does: its measured commitment."""
+    rack = small_rack(session, BudgetMode.MEASURED, budget_margin=MARGIN)
+    [measured, unmeasured] = add_spares(session, rack, 2)
+    add_history(session, "server", measured, utcnow(), two_hours_at(P99_W))
+    pool = warm_pool(session)
+    costs = {s["server"]: s["boot_cost_w"] for p in pool["pools"] for s in p["spares"]}
+    assert costs[measured] == pytest.approx(P99_W * MARGIN - SPARE["standby_w"])
+    assert costs[unmeasured] == SPARE["max_w"] - SPARE["standby_w"]  # no history: nameplate
 
 
 @pytest.mark.parametrize(("drawn_w", "booted"), [(BUDGET_W - 1800, 1), (BUDGET_W, 0), (11000, 0)])
