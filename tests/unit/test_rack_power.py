@@ -5,6 +5,7 @@ more spares into a measured rack, the inventory file's budget fields and the met
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -270,7 +271,8 @@ def test_the_warm_pool_shows_a_measured_racks_boot_cost(session: Session) -> Non
     rack = small_rack(session, BudgetMode.MEASURED, budget_margin=MARGIN)
     [measured, unmeasured] = add_spares(session, rack, 2)
     add_history(session, "server", measured, utcnow(), two_hours_at(P99_W))
-    pool = warm_pool(session)
+    # Through JSON, as the API sends it: plain lists and dicts.
+    pool = json.loads(json.dumps(warm_pool(session)))
     costs = {s["server"]: s["boot_cost_w"] for p in pool["pools"] for s in p["spares"]}
     assert costs[measured] == pytest.approx(P99_W * MARGIN - SPARE["standby_w"])
     assert costs[unmeasured] == SPARE["max_w"] - SPARE["standby_w"]  # no history: nameplate
