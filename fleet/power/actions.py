@@ -32,7 +32,7 @@ from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, NotFoundError
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
-from fleet.models import Event, Pool, PowerState, Rack, Server, utcnow
+from fleet.models import Event, Pool, PowerState, Rack, Server, as_utc, utcnow
 from fleet.power import gate
 from fleet.power.gate import Admission, Override
 from fleet.settings import Settings
@@ -120,13 +120,14 @@ def gated_act_on(
     (gate.BudgetRefused otherwise: nothing sent, nothing recorded against the server). The
     gate's write-ahead commitment goes once the BMC says on, or holds until the reconciler
     can have read the server (fleet/power/gate.py `settle`). `admitted`: the admission a bulk
-    action made ahead, in its order (`admit_in_order`); asked again here, it passes while its
-    commitment holds and is checked afresh if it has run out meanwhile."""
+    action made ahead, in its order (`admit_in_order`): while its commitment holds it stands
+    (no second trip through the placement lock); one that ran out meanwhile is checked afresh."""
     if action not in SPACED:
         return act_on(engine, box, settings, server, action, actor, drivers=drivers)
-    admission = gate.admit(engine, settings, server.name, actor, override=override)
-    if admission.committed_until is None and admitted is not None:
-        admission = admitted  # still held by the commitment made ahead: settle that one
+    if admitted is not None and _holds(admitted):
+        admission = admitted
+    else:
+        admission = gate.admit(engine, settings, server.name, actor, override=override)
     try:
         result = act_on(engine, box, settings, server, action, actor, drivers=drivers)
     except ServerBusy:
@@ -138,6 +139,12 @@ def gated_act_on(
     after = result.state_after if isinstance(result, ActionResult) else result
     gate.settle(engine, settings, admission, confirmed=after is PowerState.ON)
     return result
+
+
+def _holds(admission: Admission) -> bool:
+    """Whether an admission's write-ahead commitment still counts in its rack."""
+    until = admission.committed_until
+    return until is not None and as_utc(until) > utcnow()
 
 
 def admit_in_order(
