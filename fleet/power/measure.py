@@ -36,7 +36,9 @@ from sqlmodel import Session, col, select
 
 from fleet.models import Event, GpuModelSpec, Rack, Server
 from fleet.power import history
-from fleet.power.racks import FRESH_INTERVALS
+
+# One freshness rule for readings (re-exported: the agent routes name it here).
+from fleet.power.racks import drawn_fresh_s as drawn_fresh_s
 from fleet.power.readings import check_watts
 from fleet.power.series import SERVER, Reading, Series, rack_readings
 from fleet.settings import Settings
@@ -56,14 +58,6 @@ _SERVER = Server.__table__  # type: ignore[attr-defined]
 
 # ---------------------------------------------------------------------------------------------
 # Pure rules
-
-
-def drawn_fresh_s(settings: Settings) -> float:
-    """How long a stored drawn_w counts as the server's draw now: the rack view's and the
-    valve's rule (fleet/power/racks.is_fresh). A live BMC's reading is rewritten at least
-    every other sweep (`rewrite_after_s`), so one older than this means the BMC stopped giving
-    readings: the agent-based estimate may then take over, and the rack's draw leaves it out."""
-    return FRESH_INTERVALS * settings.reconcile_interval_s
 
 
 def rewrite_after_s(settings: Settings) -> float:

@@ -68,12 +68,20 @@ def usable_watts(row: PowerFeed) -> float:
     return feed_watts(to_feed(row))
 
 
+def drawn_fresh_s(settings: Settings) -> float:
+    """How long a stored drawn_w counts as the server's draw now, for the rack view, the valve
+    and the agent-based estimate alike. A live BMC's reading is rewritten at least every other
+    sweep (fleet/power/measure.py `rewrite_after_s`), so one older than this means the BMC
+    stopped giving readings: the estimate may then take over, and the rack's draw leaves it
+    out."""
+    return FRESH_INTERVALS * settings.reconcile_interval_s
+
+
 def is_fresh(drawn_at: datetime | None, now: datetime, settings: Settings) -> bool:
     """Whether a reading taken at `drawn_at` still says what the server draws now."""
     if drawn_at is None:
         return False
-    stale_after = timedelta(seconds=FRESH_INTERVALS * settings.reconcile_interval_s)
-    return as_utc(drawn_at) > now - stale_after
+    return as_utc(drawn_at) > now - timedelta(seconds=drawn_fresh_s(settings))
 
 
 def measured_commits(

@@ -37,7 +37,7 @@ from fleet.models import Event, GpuModelSpec, PowerFeed, Rack, Server, as_utc, u
 from fleet.power.budget import Feed, rack_budget
 from fleet.power.caps import next_cap_pct
 from fleet.power.gate import clear_settled_overrides
-from fleet.power.racks import FRESH_INTERVALS, to_feed
+from fleet.power.racks import drawn_fresh_s, to_feed
 from fleet.settings import Settings
 from fleet_core.gpus import GPUS, gpu_spec
 
@@ -173,7 +173,7 @@ def run_valve(engine: sa.Engine, settings: Settings, now: datetime | None = None
     """One pass over every budgeted rack; returns the moves made (cap changes, limits synced,
     budget overrides cleared)."""
     at = now or utcnow()
-    since = at - timedelta(seconds=FRESH_INTERVALS * settings.reconcile_interval_s)
+    since = at - timedelta(seconds=drawn_fresh_s(settings))
     moves: list[str] = []
     with Session(engine, expire_on_commit=False) as session:
         racks = budgets(session)
