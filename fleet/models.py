@@ -50,6 +50,9 @@ from fleet.validation import (
     NAME_PATTERN as NAME_PATTERN,
 )
 from fleet.validation import (
+    SSH_FINGERPRINT_PATTERN as SSH_FINGERPRINT_PATTERN,
+)
+from fleet.validation import (
     Int as Int,
 )
 from fleet.validation import (
@@ -328,6 +331,14 @@ class ServerBase(SQLModel):
     max_w: Number = Field(gt=0, le=MAX_WATTS)
     pool: Pool = _enum(Pool, default=Pool.WARM, index=True)
     models_cached: list[str] = _json(list)
+    # Where the server's OS answers SSH (not its BMC), and the host key pinned for it: the
+    # fingerprint OpenSSH prints (`SHA256:<base64>`), from the inventory or recorded by the
+    # explicit `fleetctl servers ssh-trust` (fleet/ssh/). None: no SSH / nothing pinned yet.
+    ssh_address: str | None = Field(default=None, max_length=255)
+    ssh_port: Int = Field(default=22, ge=1, le=65535, sa_column_kwargs={"server_default": "22"})
+    ssh_host_key: str | None = Field(
+        default=None, max_length=64, schema_extra={"pattern": SSH_FINGERPRINT_PATTERN}
+    )
 
 
 class Server(ServerBase, table=True):
@@ -407,6 +418,9 @@ class Server(ServerBase, table=True):
     boot_to_ready_s: float | None = None
     load_s: float | None = None
     probed_at: datetime | None = _ts(default=None)  # the last inference-quality probe
+    # Remediation's graceful step (fleet/provisioning/graceful_reboot.py): when the fleet asked
+    # the OS over SSH to reboot; the BMC power cycle follows if the agent is not back in time.
+    ssh_reboot_sent_at: datetime | None = _ts(default=None)
     # The deployment whose replicas this server runs (set by provisioning); the agent's
     # heartbeat is answered with it as the server's assignment.
     deployment_id: int | None = Field(default=None, foreign_key="deployment.id", index=True)
@@ -486,7 +500,9 @@ class ServerUpdate(_Update):
     (bmc_username, bmc_password) only an admin may change (fleet/inventory/servers.py)."""
 
     model_config = SQLModelConfig(extra="forbid")
-    nullable_fields: ClassVar[frozenset[str]] = frozenset({"bmc_system_id"})
+    nullable_fields: ClassVar[frozenset[str]] = frozenset(
+        {"bmc_system_id", "ssh_address", "ssh_host_key"}
+    )
 
     pool: Pool | None = None
     bmc_protocol: BmcProtocol | None = None
@@ -498,6 +514,9 @@ class ServerUpdate(_Update):
     # StrictBool: a JSON `0` or `"yes"` is refused (422), as the schema says, not read as false.
     bmc_plain_http: StrictBool | None = None
     models_cached: ModelUris | None = None
+    ssh_address: str | None = Field(default=None, max_length=255, min_length=1)
+    ssh_port: OptInt = Field(default=None, ge=1, le=65535)
+    ssh_host_key: str | None = Field(default=None, regex=SSH_FINGERPRINT_PATTERN)
 
 
 class ServerPublic(ServerBase):
@@ -789,6 +808,27 @@ class ApiToken(SQLModel, table=True):
     revoked_at: datetime | None = _ts(default=None)
     # None: never expires. An expired token answers 401 like a revoked one.
     expires_at: datetime | None = _ts(default=None)
+    # A rotated agent token: the token that replaced it (this one expires after the overlap).
+    replaced_by_id: int | None = Field(default=None, foreign_key="api_token.id")
+
+
+class DiagnosticBundle(SQLModel, table=True):
+    """What `fleetctl servers diagnose` collected from one server over SSH (fleet/ssh/
+    diagnose.py): a gzipped tar of each command's output, bounded in size, kept in the
+    database so every service replica can serve it."""
+
+    __tablename__ = "diagnostic_bundle"
+
+    id: int | None = Field(default=None, primary_key=True)
+    server_id: int = Field(foreign_key="server.id", index=True)
+    created_at: datetime = _ts(default_factory=utcnow)
+    created_by: str = Field(max_length=100)
+    # Per command: its name, exit status, bytes kept, whether it was cut, seconds taken.
+    summary: list[dict[str, Any]] = _json(list)
+    truncated: bool = False
+    size_bytes: int
+    sha256: str = Field(max_length=64)
+    content: bytes = Field(sa_column=sa.Column(sa.LargeBinary(), nullable=False))
 
 
 class Autopilot(SQLModel, table=True):

@@ -189,6 +189,30 @@ class Settings(BaseSettings):
     # every JSON body, and inventory files (import, validate; operators only).
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     max_inventory_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Agent tokens minted through the API (fleet/auth.py, docs/ansible.md): their lifetime, and
+    # how long a rotated one keeps working after its successor is issued (the agent's settings
+    # file is rewritten and the agent restarted within it).
+    agent_token_lifetime_s: float = Field(default=90 * 86_400.0, gt=0, le=3650 * 86_400.0)
+    agent_token_overlap_s: float = Field(default=3_600.0, ge=0)
+    # SSH from the fleet to servers' OS (fleet/ssh/, docs/ansible.md): the private key (a file
+    # readable by the service only; its contents and passphrase are never logged), the login,
+    # the connect and per-command timeouts, and how many servers are reached at once.
+    ssh_key_file: Path | None = None
+    ssh_key_passphrase: SecretStr | None = None
+    ssh_user: str = Field(default="root", min_length=1, max_length=64)
+    ssh_connect_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    ssh_command_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    ssh_workers: int = Field(default=8, ge=1, le=256)
+    # `fleetctl servers diagnose`: one server's whole collection is bounded in time and its
+    # bundle in size (each command's output is cut at `diagnose_max_output_bytes`).
+    diagnose_timeout_s: float = Field(default=180.0, gt=0, le=3600)
+    diagnose_max_output_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    diagnose_max_bundle_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
+    # Remediation's graceful step: a server to be rebooted is first asked over SSH
+    # (`systemctl reboot`); the BMC power cycle follows only if its agent has not registered
+    # again within `ssh_reboot_deadline_s` (or the SSH request failed).
+    remediation_ssh_reboot: bool = False
+    ssh_reboot_deadline_s: float = Field(default=600.0, gt=0)
 
     @field_validator("database_url")
     @classmethod

@@ -16,6 +16,8 @@ from annotated_types import MaxLen
 from pydantic import AllowInfNan, BeforeValidator, StringConstraints, ValidationError
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+# An SSH host key as OpenSSH prints it (`ssh-keygen -lf`, `ssh -v`): SHA-256, unpadded base64.
+SSH_FINGERPRINT_PATTERN = r"^SHA256:[A-Za-z0-9+/]{43}$"
 NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 

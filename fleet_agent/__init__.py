@@ -1,8 +1,15 @@
 """The node agent that runs on every GPU server.
 
 It talks only to the fleet API, to NVML/DCGM and to its local engine — never to the database
-(docs/design.md, "The parts"). The daemon itself arrives with the agent issues; this package
-exists now so the layout, packaging and imports are settled from the first day.
+(docs/design.md, "The parts"; docs/agent.md). Ansible installs it from the project's wheel
+(ansible/, docs/ansible.md).
 """
 
-AGENT_VERSION = "0.1.0"
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+# The installed distribution's version: what a rolling upgrade (ansible/) waits to see reported.
+try:
+    AGENT_VERSION = _version("fleet")[:32]
+except PackageNotFoundError:  # run from a source tree that was never installed
+    AGENT_VERSION = "0+unknown"

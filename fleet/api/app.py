@@ -33,6 +33,8 @@ from fleet.api.routes import (
     schedules,
     servers,
     sites,
+    ssh,
+    tokens,
 )
 from fleet.api.routes import events as events_routes
 from fleet.api.routes.health import Readiness
@@ -176,6 +178,8 @@ def create_app(
         autoscaler,
         schedules,
         routing,
+        tokens,
+        ssh,
     ):
         app.include_router(module.router, prefix="/api/v1", responses=ERROR_RESPONSES)
     # The schema states what the edge refuses, and the inventory file's shape (openapi.py).
