@@ -18,7 +18,9 @@ transaction through `fleet.lifecycle.transitions.transition` (compare-and-set, a
   `warm` once the BMC reports off.
 - **remediation**: a repair action `reboot` → drain → power cycle → `booting` again; the same
   fault after `max_reboots_same_fault` reboots, or `hardware_inspection`, → `quarantined`.
-  A server silent for `heartbeat_cycle_after_s` is drained and power cycled too.
+  A server silent for `heartbeat_cycle_after_s` is drained and power cycled too. With
+  `remediation_ssh_reboot`, the OS is first asked to reboot over SSH and the power cycle
+  follows only if that fails or the agent is not back in time (graceful_reboot.py).
 - **bounds**: a deployment's disruption budget caps its servers draining or rebooting at once;
   if more than `breaker_share` of the servers turn unhealthy within `breaker_window_s`, the
   breaker opens and no automatic drain or cycle happens until an operator resumes; the
@@ -54,7 +56,7 @@ from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Pool, PowerState, Rack, Server, utcnow
 from fleet.power.actions import SPACED, ServerBusy, act_on, power_stagger
 from fleet.power.racks import commit_watts
-from fleet.provisioning import placement, quality_probe
+from fleet.provisioning import graceful_reboot, placement, quality_probe
 from fleet.provisioning.autopilot import check_breaker, get_autopilot
 from fleet.provisioning.boots import ACTIVE, boot_spares, placement_lock, rack_rooms, start_boot
 from fleet.provisioning.escalation import escalate
@@ -101,6 +103,7 @@ def provision_once(
     drivers: Callable[[BmcTarget], PowerDriver] = driver_for,
     leader_since: datetime | None = None,
     ask_agent: quality_probe.AskAgent | None = None,  # None: over http(s), the settings' TLS
+    request_reboot: graceful_reboot.RequestReboot = graceful_reboot.over_ssh,
 ) -> TickReport:
     report = TickReport()
     with Session(engine) as session:
@@ -111,6 +114,7 @@ def provision_once(
         report.breaker_open = check_breaker(session, settings, autopilot, ACTOR)
     tick = ProvisionTick(engine, box, settings, drivers, report, leader_since)
     tick.ask_agent = ask_agent
+    tick.request_reboot = request_reboot
     tick.run()
     return report
 
@@ -134,6 +138,8 @@ class ProvisionTick:
         self.ask_agent: quality_probe.AskAgent | None = None
         self.now = utcnow()
         self.pending: list[PowerCall] = []  # the steps' BMC actions, sent by `_send_power`
+        self.reboots: list[str] = []  # servers whose OS is asked to reboot over SSH this tick
+        self.request_reboot: graceful_reboot.RequestReboot = graceful_reboot.over_ssh
 
     def run(self) -> None:
         try:
@@ -148,6 +154,7 @@ class ProvisionTick:
             # Even after a step's bug: the queued actions' write-ahead marks are committed, so
             # they go out (a cycle's mark is never retried). Before capacity: a boot the BMC
             # refused fails now and is replaced in this tick.
+            self._send_reboots()
             self._send_power()
         try:
             self._hold_capacity()
@@ -256,6 +263,24 @@ class ProvisionTick:
         if unexpected is not None:
             raise unexpected
 
+    def _send_reboots(self) -> None:
+        """The graceful reboots the steps queued, at once over SSH; a server whose OS could not
+        be asked falls back to the BMC power cycle (sent by its next `_booting` step)."""
+        names, self.reboots = self.reboots, []
+        outcomes = graceful_reboot.send(self.engine, self.settings, names, self.request_reboot)
+        for name, error in outcomes.items():
+            with Session(self.engine) as session:
+                server = self._load(session, name)
+                if server.state is not S.BOOTING or server.boot_kind != graceful_reboot.KIND:
+                    continue  # moved on meanwhile
+                if error is None:
+                    graceful_reboot.record_asked(session, server, ACTOR, self.now)
+                    self.report.power_actions.append(f"{name}: reboot over SSH")
+                else:
+                    graceful_reboot.fall_back(session, server, ACTOR, error, self.now)
+                    self.report.errors.append(f"{name}: {error}")
+                session.commit()
+
     def _apply(self, call: PowerCall, outcome: Outcome[ActionResult | PowerState]) -> None:
         error = outcome.error
         if error is None:
@@ -279,7 +304,29 @@ class ProvisionTick:
         with Session(self.engine) as session:
             server = self._load(session, name)
             started = server.boot_started_at or server.state_changed_at
-            if server.power_on_sent_at is None and server.boot_kind != "resume":
+            if server.boot_kind == graceful_reboot.KIND and not self._agent_up_since(
+                server, started
+            ):
+                if server.ssh_reboot_sent_at is None:
+                    graceful_reboot.mark_sent(session, server, self.now)
+                    session.commit()
+                    self.reboots.append(name)
+                elif graceful_reboot.deadline_passed(server, s, self.now):
+                    graceful_reboot.fall_back(
+                        session,
+                        server,
+                        ACTOR,
+                        f"the agent did not register within {s.ssh_reboot_deadline_s:g} s of "
+                        "the reboot asked over SSH",
+                        self.now,
+                    )
+                    self.report.moves.append(f"{name}: SSH reboot timed out, power cycle next")
+                    session.commit()
+                return
+            if server.power_on_sent_at is None and server.boot_kind not in (
+                "resume",
+                graceful_reboot.KIND,
+            ):
                 # Write-ahead: committed before the BMC hears of it.
                 server.power_on_sent_at = self.now
                 session.add(server)
@@ -480,8 +527,13 @@ class ProvisionTick:
             deployment = (
                 session.get(Deployment, server.deployment_id) if server.deployment_id else None
             )
-            start_boot(session, server, deployment, "cycle", ACTOR, remedy.why)
-            self.report.moves.append(f"{name} -> booting (power cycle)")
+            graceful = graceful_reboot.wanted(server, self.settings)
+            kind = graceful_reboot.KIND if graceful else "cycle"
+            server.ssh_reboot_sent_at = None
+            start_boot(session, server, deployment, kind, ACTOR, remedy.why)
+            self.report.moves.append(
+                f"{name} -> booting ({'reboot over SSH' if graceful else 'power cycle'})"
+            )
             session.commit()
 
     # -- powering off ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from sqlmodel import Session, col, select
 
 from fleet.bmc.base import ActionResult, BmcUnreachable
 from fleet.crypto import SecretBox
+from fleet.errors import FleetError
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Pool, PowerState, Server, utcnow
 from fleet.provisioning.autopilot import set_paused
@@ -503,3 +504,121 @@ def test_the_quality_probe_records_a_reference_then_drains_on_a_wrong_answer(
     provision_once(db, BOX, settings(), drivers=Bmc, ask_agent=ask)
     assert row(db, name).state == S.DRAINED
     assert not [c for c in Bmc.commands if c[1] == "cycle"]
+
+
+# -- remediation's graceful step: a reboot asked over SSH first (graceful_reboot.py) ----------
+
+
+class SshOs:
+    """Scripted OS side of `systemctl reboot` over SSH: who was asked, or the error to raise."""
+
+    def __init__(self, error: str | None = None) -> None:
+        self.asked: list[str] = []
+        self.error = error
+
+    def __call__(self, server: Server, settings: Settings) -> None:
+        if self.error is not None:
+            raise FleetError(f"server {server.name}: {self.error}")
+        self.asked.append(server.name)
+
+
+def ssh_tick(db: Engine, ssh: SshOs, **overrides: Any) -> TickReport:
+    return provision_once(
+        db,
+        BOX,
+        settings(remediation_ssh_reboot=True, ssh_reboot_deadline_s=120.0, **overrides),
+        drivers=Bmc,
+        request_reboot=ssh,
+    )
+
+
+def _remediate_over_ssh(db: Engine, name: str, ssh: SshOs) -> None:
+    with Session(db) as session:
+        server = session.exec(select(Server).where(Server.name == name)).one()
+        server.ssh_address = "10.0.0.7"
+        session.add(server)
+        session.commit()
+    agent_reports(db, name, health_action="reboot", health_reasons=[{"code": "xid_79"}])
+    ssh_tick(db, ssh)  # -> draining
+    agent_reports(db, name, agent_draining=True, replicas=[])
+    ssh_tick(db, ssh)  # -> drained
+    ssh_tick(db, ssh)  # -> booting (ssh_reboot)
+    agent_reports(db, name, health_action="none", health_reasons=[])
+
+
+def _kinds(db: Engine, name: str) -> list[str]:
+    with Session(db) as session:
+        return list(
+            session.exec(
+                select(Event.kind)
+                .where(Event.subject == name, col(Event.kind).like("server.%reboot%"))
+                .order_by(col(Event.id))
+            )
+        )
+
+
+def test_remediation_reboots_over_ssh_when_the_host_answers(
+    db: Engine, fleet: dict[str, Any]
+) -> None:
+    [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
+    serve(db, name)
+    ssh = SshOs()
+    _remediate_over_ssh(db, name, ssh)
+    server = row(db, name)
+    assert server.state == S.BOOTING and server.boot_kind == "ssh_reboot"
+    ssh_tick(db, ssh)  # the reboot is asked, once
+    ssh_tick(db, ssh)
+    assert ssh.asked == [name] and _kinds(db, name) == ["server.ssh_reboot"]
+    agent_reports(db, name, agent_registered_at="now")  # the OS came back, and its agent
+    ssh_tick(db, ssh)
+    assert row(db, name).state == S.LOADING
+    assert (name, "cycle") not in Bmc.commands  # the BMC never cut the power
+
+
+def test_remediation_falls_back_to_the_bmc_when_ssh_fails(
+    db: Engine, fleet: dict[str, Any]
+) -> None:
+    [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
+    serve(db, name)
+    ssh = SshOs(error="connection refused")
+    _remediate_over_ssh(db, name, ssh)
+    report = ssh_tick(db, ssh)  # SSH fails: the boot becomes a power cycle
+    assert any("connection refused" in e for e in report.errors)
+    assert row(db, name).boot_kind == "cycle" and Bmc.commands.count((name, "cycle")) == 0
+    ssh_tick(db, ssh)
+    assert Bmc.commands.count((name, "cycle")) == 1
+    assert _kinds(db, name) == ["server.reboot_fallback"]
+
+
+def test_remediation_falls_back_when_the_agent_is_not_back_in_time(
+    db: Engine, fleet: dict[str, Any]
+) -> None:
+    [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
+    serve(db, name)
+    ssh = SshOs()
+    _remediate_over_ssh(db, name, ssh)
+    ssh_tick(db, ssh)  # asked over SSH; the OS never comes back
+    with Session(db) as session:
+        server = session.exec(select(Server).where(Server.name == name)).one()
+        assert server.ssh_reboot_sent_at is not None
+        server.ssh_reboot_sent_at -= timedelta(seconds=121)  # past the deadline
+        session.add(server)
+        session.commit()
+    ssh_tick(db, ssh)  # the deadline passed: power cycle next
+    ssh_tick(db, ssh)
+    assert Bmc.commands.count((name, "cycle")) == 1 and ssh.asked == [name]
+    assert _kinds(db, name) == ["server.ssh_reboot", "server.reboot_fallback"]
+
+
+def test_remediation_cycles_a_server_without_ssh_even_when_enabled(
+    db: Engine, fleet: dict[str, Any]
+) -> None:
+    [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
+    serve(db, name)
+    ssh = SshOs()
+    agent_reports(db, name, health_action="reboot", health_reasons=[{"code": "xid_79"}])
+    ssh_tick(db, ssh)
+    agent_reports(db, name, agent_draining=True, replicas=[])
+    ssh_tick(db, ssh)
+    ssh_tick(db, ssh)
+    assert row(db, name).boot_kind == "cycle" and ssh.asked == []
