@@ -4,10 +4,10 @@
 service); every other command talks to a running service at --url / FLEET_URL with
 --token / FLEET_TOKEN. Errors are one line on stderr and a non-zero exit code.
 
-This module only assembles the app: one module per command group (db, tokens, serve, agent,
-router, inventory, servers, racks, deployments, events, spares, autoscaler, schedule,
-prometheus, lab, simulate, demo), what they share in fleet/cli/common.py. The modules import
-the service's code inside each command, so that `fleetctl --help` stays fast.
+This module only assembles the app: one module per command group (db, tokens and agent-tokens,
+serve, agent, router, inventory, servers, racks, deployments, events, spares, autoscaler,
+schedule, prometheus, lab, simulate, demo), what they share in fleet/cli/common.py. The modules
+import the service's code inside each command, so that `fleetctl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ app.command("demo")(demo.demo)
 # Command groups, listed after the commands.
 app.add_typer(db.db_app, name="db")
 app.add_typer(tokens.token_app, name="token")
+app.add_typer(tokens.agent_tokens_app, name="agent-tokens")
 app.add_typer(inventory.inventory_app, name="inventory")
 app.add_typer(servers.servers_app, name="servers")
 app.add_typer(racks.racks_app, name="racks")

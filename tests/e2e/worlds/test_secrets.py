@@ -593,6 +593,15 @@ def _run_every_command(
     tokens = json.loads(cmd(("token", "list"), "-o", "json").stdout)
     cmd(("token", "list"))
     cmd(("token", "revoke"), str(tokens[-1]["id"]))
+    # Agent tokens through the API: the value on stdout only, never in a list.
+    minted = cmd(("agent-tokens", "mint"), s2, "--expires-in", "1d").stdout.strip()
+    listed = cmd(("agent-tokens", "list"), "--server", s2, "-o", "json").stdout
+    assert minted.startswith("flt_") and minted not in listed
+    [agent_row] = json.loads(listed)
+    cmd(("agent-tokens", "mint"), s2, code=1)  # one live token per server
+    cmd(("agent-tokens", "list"))
+    rotated = json.loads(cmd(("agent-tokens", "rotate"), str(agent_row["id"]), "-o", "json").stdout)
+    cmd(("agent-tokens", "revoke"), str(rotated["id"]))
     cmd(("db", "current"))
     cmd(("db", "upgrade"))
     cmd(("secret-key",))
