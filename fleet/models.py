@@ -516,7 +516,9 @@ class ServerUpdate(_Update):
     models_cached: ModelUris | None = None
     ssh_address: str | None = Field(default=None, max_length=255, min_length=1)
     ssh_port: OptInt = Field(default=None, ge=1, le=65535)
-    ssh_host_key: str | None = Field(default=None, regex=SSH_FINGERPRINT_PATTERN)
+    ssh_host_key: str | None = Field(
+        default=None, max_length=64, schema_extra={"pattern": SSH_FINGERPRINT_PATTERN}
+    )
 
 
 class ServerPublic(ServerBase):

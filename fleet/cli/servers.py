@@ -1,8 +1,10 @@
-"""`fleetctl sites` and `servers`: listing, power, verify and the operator's
-lifecycle moves (transition, drain, maintenance, release, retire)."""
+"""`fleetctl sites` and `servers`: listing, power, verify, the operator's lifecycle moves
+(transition, drain, maintenance, release, retire), and SSH: diagnostic bundles, pinning host
+keys (ssh-trust) and a known_hosts file for Ansible (known-hosts)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -22,10 +24,12 @@ from fleet.cli.common import (
     Output,
     Token,
     Url,
+    _detail,
     api_client,
     console,
     err_console,
     handled,
+    printable,
     show,
     typer_app,
 )
@@ -316,3 +320,194 @@ def servers_retire(
 ) -> None:
     """Retire a server for good."""
     _operator_transition(name, "retired", reason, url, token)
+
+
+# ---------------------------------------------------------------------------------------------
+# Over SSH (fleet/ssh/, docs/ansible.md)
+
+DIAGNOSTICS_COLUMNS = [
+    ("id", "bundle"),
+    ("created_at", "created"),
+    ("created_by", "by"),
+    ("size", "size"),
+    ("commands", "commands"),
+    ("missing", "missing"),
+    ("truncated", "truncated"),
+]
+
+
+def _size(size: int) -> str:
+    return f"{size / 1024:.1f} KiB" if size < 1024 * 1024 else f"{size / 1024 / 1024:.1f} MiB"
+
+
+def _without_name(name: str, error: str) -> str:
+    """An error already naming its server, without that prefix (the line starts with it)."""
+    return error.removeprefix(f"server {name}: ")
+
+
+def _download(api: Any, bundle_id: int, path: Path) -> int:
+    """Write bundle `bundle_id` to `path` (through a temporary file: no half bundle is left);
+    returns its size."""
+    # Raw bytes: Api.request decodes every body as text.
+    response = api._client.get(f"/api/v1/diagnostics/{bundle_id}")
+    if response.status_code >= 400:
+        raise CliError(_detail(response))
+    part = path.with_name(path.name + ".part")
+    part.write_bytes(response.content)
+    part.replace(path)
+    return len(response.content)
+
+
+@servers_app.command("diagnose")
+@handled
+def servers_diagnose(
+    names: Annotated[list[str], typer.Argument(help="Servers to collect from.")],
+    directory: Annotated[
+        Path | None,
+        typer.Option("--output-dir", "-o", help="Also download each bundle into this folder."),
+    ] = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Collect a diagnostic bundle over SSH from each server (nvidia-smi -q, Xid lines, the
+    agent's journal, dcgmi diag -r 1, the engine's logs, ...), stored by the fleet. One line
+    per server; exit code 1 if any failed."""
+    api = api_client(url, token)
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+    with console.status("collecting over SSH…", spinner="dots"):
+        answer = api.request(
+            "POST", "/api/v1/diagnostics", json={"servers": list(names)}, timeout=None
+        )
+    for result in answer["results"]:
+        name = result["server"]
+        if not result["ok"]:
+            typer.echo(
+                f"{name}: error: {printable(_without_name(name, result['error']), one_line=True)}"
+            )
+            continue
+        missing = f" ({result['missing']} missing)" if result["missing"] else ""
+        cut = ", truncated" if result["truncated"] else ""
+        line = (
+            f"{name}: bundle {result['bundle_id']}, {_size(result['size_bytes'])}, "
+            f"{result['commands']} commands{missing}{cut}"
+        )
+        if directory is not None:
+            path = directory / f"{name}-diagnostics-{result['bundle_id']}.tar.gz"
+            _download(api, result["bundle_id"], path)
+            line += f" -> {path}"
+        typer.echo(line)
+    if answer["failed"]:
+        raise CliError(f"{answer['failed']} of {len(answer['results'])} servers failed")
+
+
+@servers_app.command("diagnostics")
+@handled
+def servers_diagnostics(
+    name: str,
+    limit: Limit = None,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Out = Output.TABLE,
+) -> None:
+    """List a server's diagnostic bundles, newest first."""
+    rows = list(api_client(url, token).pages(f"/api/v1/servers/{name}/diagnostics", limit))
+    if output is Output.TABLE:
+        for row in rows:
+            row["size"] = _size(row["size_bytes"])
+            row["commands"] = len(row["summary"])
+            row["missing"] = sum(1 for c in row["summary"] if c.get("missing"))
+    show(rows, output, DIAGNOSTICS_COLUMNS)
+
+
+@servers_app.command("diagnostics-get")
+@handled
+def servers_diagnostics_get(
+    bundle_id: Annotated[int, typer.Argument(help="The bundle's id (`servers diagnostics`).")],
+    path: Annotated[Path, typer.Option("--output", "-o", help="Write the .tar.gz here.")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Download one diagnostic bundle (a gzipped tar with summary.json)."""
+    size = _download(api_client(url, token), bundle_id, path)
+    typer.echo(f"bundle {bundle_id}: {_size(size)} -> {path}")
+
+
+@servers_app.command("ssh-trust")
+@handled
+def servers_ssh_trust(
+    names: Annotated[list[str], typer.Argument(help="Servers whose key to pin.")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Pin the SSH host key each server offers now (admins; the service reads it, without
+    logging in). A server with another key pinned is refused, naming both. Exit code 1 if any
+    failed."""
+    api = api_client(url, token)
+    failed = 0
+    for name in names:
+        try:
+            row = api.request("POST", f"/api/v1/servers/{name}/ssh-trust", timeout=None)
+        except CliError as exc:
+            failed += 1
+            typer.echo(f"{name}: error: {printable(_without_name(name, str(exc)), one_line=True)}")
+            continue
+        typer.echo(f"{name}: pinned {row['ssh_host_key']}")
+    if failed:
+        raise CliError(f"{failed} of {len(names)} servers failed")
+
+
+@servers_app.command("known-hosts")
+@handled
+def servers_known_hosts(
+    names: Annotated[
+        list[str] | None, typer.Argument(help="Servers (default: every one with SSH).")
+    ] = None,
+    path: Annotated[
+        Path, typer.Option("--output", "-o", help="The known_hosts file to write.")
+    ] = Path("known_hosts"),
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds to wait for each server's sshd.")
+    ] = 10.0,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Write an OpenSSH known_hosts file for the servers' pinned host keys (for Ansible or ssh
+    with StrictHostKeyChecking=yes). Each server's key is read from here, without logging in,
+    and kept only if it equals the fleet's pin; a server with no pin or another key is a line
+    `NAME: error: …` and exit code 1 (the others are still written)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api = api_client(url, token)
+    if names:
+        servers = [api.get(f"/api/v1/servers/{n}") for n in dict.fromkeys(names)]
+    else:
+        servers = [s for s in api.pages("/api/v1/servers", None) if s.get("ssh_address")]
+
+    def line(server: dict[str, Any]) -> str:
+        from fleet.ssh.hostkeys import SshError, check, known_hosts_line, scan
+
+        name = server["name"]
+        if not server.get("ssh_address"):
+            raise SshError(f"server {name}: no SSH address")
+        key = scan(server["ssh_address"], server["ssh_port"], timeout, server=name)
+        check(name, server.get("ssh_host_key"), key)
+        return known_hosts_line(server["ssh_address"], server["ssh_port"], key)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(servers)))) as pool:
+        futures = [(s["name"], pool.submit(line, s)) for s in servers]
+    lines: list[str] = []
+    failed = 0
+    for name, future in futures:
+        error = future.exception()
+        if error is None:
+            lines.append(future.result())
+            continue
+        failed += 1
+        typer.echo(f"{name}: error: {printable(_without_name(name, str(error)), one_line=True)}")
+    part = path.with_name(path.name + ".part")
+    part.write_text("".join(f"{entry}\n" for entry in lines))
+    part.replace(path)
+    typer.echo(f"{len(lines)} host keys -> {path}")
+    if failed:
+        raise CliError(f"{failed} of {len(servers)} servers have no verified key in {path}")

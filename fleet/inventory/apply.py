@@ -71,10 +71,17 @@ class ImportReport(BaseModel):
 # The plan: desired rows, with the place each came from
 
 
+# A server's SSH fields: the block is optional in a file, and so is its host key.
+_SSH_FIELDS = frozenset({"ssh_address", "ssh_port", "ssh_host_key"})
+
+
 @dataclass
 class _ServerRow:
     where: str
     spec: ServerCreate
+    # Fields the file leaves out, which keep the fleet's values: the SSH block (or only its
+    # host key, which `fleetctl servers ssh-trust` may have pinned) when the file has none.
+    kept: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -141,6 +148,10 @@ def _server_spec(server: ServerIn, rack: str, where: str, errors: list[str]) -> 
             max_w=server.power.max_w,
             pool=server.pool,
             models_cached=list(server.models_cached),
+            # Without a block these are the defaults, and `kept` (below) leaves the fleet's.
+            ssh_address=server.ssh.address if server.ssh else None,
+            ssh_port=server.ssh.port if server.ssh else 22,
+            ssh_host_key=server.ssh.host_key if server.ssh else None,
         )
     except ValidationError as exc:
         errors.extend(messages_under(where, exc))
@@ -196,7 +207,14 @@ def _collect(inv: InventoryFile, existing: _Existing, errors: list[str]) -> _Pla
             return
         spec = _server_spec(server, rack, where, errors)
         if spec is not None:
-            plan.servers[server.name] = _ServerRow(where, spec)
+            kept = (
+                _SSH_FIELDS
+                if server.ssh is None
+                else frozenset({"ssh_host_key"})
+                if server.ssh.host_key is None
+                else frozenset()
+            )
+            plan.servers[server.name] = _ServerRow(where, spec, kept)
 
     for si, site in enumerate(inv.sites):
         swhere = f"sites[{si}]"
@@ -342,8 +360,8 @@ def _diff(obj: Any, desired: dict[str, Any]) -> list[str]:
     return [k for k, v in desired.items() if getattr(obj, k) != v]
 
 
-def _server_fields(spec: ServerCreate, rack_id: int | None) -> dict[str, Any]:
-    fields = spec.model_dump(exclude={"rack", "bmc_password", "name"})
+def _server_fields(spec: ServerCreate, rack_id: int | None, kept: frozenset[str]) -> dict[str, Any]:
+    fields = spec.model_dump(exclude={"rack", "bmc_password", "name", *kept})
     fields["rack_id"] = rack_id
     return fields
 
@@ -476,7 +494,7 @@ def plan(
         sobj = existing.servers.get(name)
         fields = []
         if sobj is not None:
-            fields = _diff(sobj, _server_fields(row.spec, rack_ids.get(row.spec.rack)))
+            fields = _diff(sobj, _server_fields(row.spec, rack_ids.get(row.spec.rack), row.kept))
             fields = ["rack" if f == "rack_id" else f for f in fields]
             password = _password_change(sobj, row.spec, box, compare=credentials_allowed)
             if password == "ignored":
@@ -487,6 +505,9 @@ def plan(
             credentials = [
                 f for f in fields if f == "bmc_username" or (f, password) == ("bmc_password", "set")
             ]
+            # Replacing (or dropping) a pinned SSH host key is a trust decision as well.
+            if "ssh_host_key" in fields and sobj.ssh_host_key is not None:
+                credentials.append("ssh_host_key")
             if credentials:
                 desired.credential_changes.append((row.where, name, credentials))
         record("server", name, sobj, fields)
@@ -587,7 +608,7 @@ def _apply(
     for name, row in desired.servers.items():
         if ("server", name) not in touched:
             continue
-        values = _server_fields(row.spec, racks[row.spec.rack].id)
+        values = _server_fields(row.spec, racks[row.spec.rack].id, row.kept)
         srv = existing.servers.get(name)
         if srv is None:
             assert row.spec.bmc_password is not None  # checked in plan()
@@ -692,7 +713,8 @@ def _reconcile_gpus(session: Session, server: Server) -> None:
 
 def check_credentials(desired: _Plan, allowed: bool) -> None:
     """ForbiddenError when the plan changes existing servers' BMC credentials (a username, or
-    a password other than the stored one) and the caller may not: only admins may."""
+    a password other than the stored one) or a pinned SSH host key, and the caller may not:
+    only admins may."""
     if allowed or not desired.credential_changes:
         return
     shown = [
@@ -701,7 +723,8 @@ def check_credentials(desired: _Plan, allowed: bool) -> None:
     ]
     more = len(desired.credential_changes) - len(shown)
     raise ForbiddenError(
-        "changing the BMC credentials of existing servers needs the admin role: "
+        "changing the BMC credentials or pinned SSH host keys of existing servers needs the "
+        "admin role: "
         + "; ".join(shown)
         + (f"; and {more} more" if more > 0 else "")
         + " (leave a password out to keep the stored one)"

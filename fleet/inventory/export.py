@@ -92,6 +92,11 @@ def _server(s: Server) -> dict[str, Any]:
             "models_cached": list(s.models_cached),
         }
     )
+    if s.ssh_address is not None:
+        ssh: dict[str, Any] = {"address": s.ssh_address, "port": s.ssh_port}
+        if s.ssh_host_key is not None:
+            ssh["host_key"] = s.ssh_host_key
+        out["ssh"] = ssh
     return out
 
 

@@ -42,7 +42,7 @@ from fleet.models import (
     Pool,
     RackStatus,
 )
-from fleet.validation import error_messages
+from fleet.validation import SSH_FINGERPRINT_PATTERN, error_messages
 
 
 def _port(value: int) -> int:
@@ -87,6 +87,16 @@ class BmcIn(_Strict):
     plain_http: StrictBool = False
 
 
+class SshIn(_Strict):
+    """Where the server's OS answers SSH (not its BMC) and its pinned host key: the SHA-256
+    fingerprint OpenSSH prints (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`). Left out,
+    the key pinned in the fleet (by an earlier file or `fleetctl servers ssh-trust`) is kept."""
+
+    address: Annotated[str, StringConstraints(min_length=1, max_length=255)]
+    port: Port = 22
+    host_key: Annotated[str, StringConstraints(pattern=SSH_FINGERPRINT_PATTERN)] | None = None
+
+
 class GpuIn(_Strict):
     model: Annotated[str, StringConstraints(min_length=1, max_length=32)]
     count: Int = Field(ge=0, le=64)
@@ -111,6 +121,8 @@ class ServerIn(_Strict):
     power: PowerIn
     pool: Pool = Pool.WARM
     models_cached: ModelUris = Field(default_factory=list)
+    # Left out: the fleet's SSH address, port and pinned key stay as they are.
+    ssh: SshIn | None = None
 
 
 class RackedServerIn(ServerIn):

@@ -32,7 +32,8 @@ from fleet.models import (
 # The stored ciphertext of a server without a BMC password: dropped when its BMC endpoint
 # changed with no new password (a Fernet token is never empty; the column is NOT NULL).
 NO_PASSWORD = ""
-# What only an admin may change: the credentials themselves.
+# What only an admin may change: the credentials themselves (and the pinned SSH host key:
+# update_server).
 CREDENTIAL_FIELDS = ("bmc_username", "bmc_password")
 
 
@@ -234,12 +235,19 @@ def update_server(
 
     A new BMC endpoint (protocol, address, port, system id, or plain HTTP turned on) drops the
     stored password unless this edit brings a new one: a password goes only to the BMC it was
-    given for. Changing the credentials themselves needs `credentials_allowed` (admins)."""
+    given for. Changing the credentials themselves, or the pinned SSH host key, needs
+    `credentials_allowed` (admins). A new SSH address keeps the pin (the host is the same; a
+    different one is refused when its key does not match)."""
     credentials = [f for f in CREDENTIAL_FIELDS if f in update.model_fields_set]
     if credentials and not credentials_allowed:
         raise ForbiddenError(
             f"changing BMC credentials ({', '.join(credentials)}) needs the admin role; "
             "leave them out (a new BMC address drops the stored password; an admin sets one)"
+        )
+    if "ssh_host_key" in update.model_fields_set and not credentials_allowed:
+        raise ForbiddenError(
+            "pinning or dropping an SSH host key (ssh_host_key) needs the admin role "
+            "(`fleetctl servers ssh-trust` records the key a server offers)"
         )
     server = session.exec(select(Server).where(Server.name == name).with_for_update()).one_or_none()
     if server is None:

@@ -24,6 +24,8 @@ REF = "#/components/schemas/"
 NO_BODY = {("delete", f"{API}/schedules/{{entry_id}}")}
 YAML_ANSWERS = {("get", f"{API}/inventory/export"): "InventoryFile"}
 STREAMS = {("post", f"{API}/power"): "application/x-ndjson"}
+# A download, not JSON: a diagnostic bundle (a gzipped tar).
+BINARY_ANSWERS = {("get", f"{API}/diagnostics/{{bundle_id}}"): "application/gzip"}
 # Field names that would carry a secret (the server's `bmc_password_set` says only whether).
 SECRET_WORDS = {"password", "token", "key", "secret", "hash"}
 NOT_SECRETS = {"bmc_password_set"}
@@ -112,6 +114,11 @@ def test_every_api_operation_documents_the_shape_of_its_answer() -> None:
         if (method, path) in YAML_ANSWERS:
             name = YAML_ANSWERS[(method, path)]
             assert content["application/yaml"]["schema"] == {"$ref": REF + name}, where
+            continue
+        if (method, path) in BINARY_ANSWERS:
+            assert set(content) == {BINARY_ANSWERS[(method, path)]}, where
+            schema = content[BINARY_ANSWERS[(method, path)]]["schema"]
+            assert schema == {"type": "string", "format": "binary"}, where
             continue
         if (method, path) in STREAMS:
             assert STREAMS[(method, path)] in content, f"{where}: the stream is documented"
