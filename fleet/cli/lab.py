@@ -108,6 +108,14 @@ def lab_up(
         float | None,
         typer.Option("--power-feed", help="Seconds between BMC power readings updates [5]."),
     ] = None,
+    ssh: Annotated[
+        bool,
+        typer.Option(
+            "--ssh",
+            help="Every server's OS is an sshd (root, the lab's key) with a stand-in systemd, "
+            "for Ansible to install the agent: the lab starts no agent itself. Needs root.",
+        ),
+    ] = False,
 ) -> None:
     """Run the virtual colo in the foreground until Ctrl-C or SIGTERM.
 
@@ -115,18 +123,27 @@ def lab_up(
     per IPMI server), writes the inventory rewritten to point at them to DIR/inventory.yaml
     (lab-only BMC credentials) and imports it (--token: operator or admin). A server powered on
     through its BMC starts its agent (simulated GPUs) after the boot delay; agent tokens are
-    created on the fleet's database (FLEET_DATABASE_URL, or the embedded default)."""
+    created on the fleet's database (FLEET_DATABASE_URL, or the embedded default).
+
+    --ssh: a server powered on boots an SSH host instead (docs/lab.md): the inventory gets each
+    server's `ssh` block (127.0.0.1, its port, its pinned host key), DIR/ansible holds the
+    Ansible inventory (fleet.yml, host_vars/, known_hosts), and the fleet's key is
+    DIR/ssh/id_ed25519 (`fleetctl lab ssh-key` prints it before the lab is up)."""
     import signal
     import threading
 
     from fleet.inventory.schema import parse_inventory
     from fleet.lab.colo import DEFAULT_BOOT_DELAY_S, POWER_FEED_S, VirtualColo
+    from fleet.lab.ssh_hosts import check_ssh_mode
     from fleet.lab.state import lab_running, load_state
 
     inv = parse_inventory(inventory.read_bytes())
+    if ssh:
+        check_ssh_mode()
     api = api_client(fleet_url, token) if do_import else None
-    # Importing needs the fleet's database for agent tokens too: fail before starting anything.
-    engine = database_engine() if do_import else None
+    # Importing needs the fleet's database for agent tokens too (not in SSH mode: Ansible mints
+    # them through the API): fail before starting anything.
+    engine = database_engine() if do_import and not ssh else None
     lab_dir.mkdir(parents=True, exist_ok=True)
     if (lab_dir / "lab.json").exists() and lab_running(load_state(lab_dir)):
         raise CliError(
@@ -140,6 +157,7 @@ def lab_up(
         boot_delay_s=DEFAULT_BOOT_DELAY_S if boot_delay is None else boot_delay,
         no_power_reading=no_power_reading or (),
         power_feed_s=POWER_FEED_S if power_feed is None else power_feed,
+        ssh=ssh,
     )
     stop = threading.Event()
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
@@ -171,10 +189,39 @@ def _lab_publish(colo: Any, lab_dir: Path, api: Api | None) -> None:
         f"one sushy-emulator, {len(colo.servers) - redfish} ipmi_sim), state in "
         f"{lab_dir / 'lab.json'}; Ctrl-C or `fleetctl lab down --dir {lab_dir}` stops it"
     )
+    if colo.ssh:
+        _lab_ssh_publish(colo, lab_dir)
     if api is None:
         typer.echo(f"wrote {path}: import it with `fleetctl inventory import {path}`")
         return
     print_report(send_inventory(api, path, "import", False), path)
+
+
+def _lab_ssh_publish(colo: Any, lab_dir: Path) -> None:
+    """What an operator needs to deploy to the lab's SSH hosts."""
+    directory = lab_dir / "ansible"
+    inventory = colo.write_ansible_inventory(directory)
+    ports = sorted(colo.ssh_host(name).port for name in colo.servers)
+    key = colo.ssh_key_file
+    typer.echo(
+        f"SSH hosts: {len(ports)} sshd on 127.0.0.1 (ports {ports[0]}-{ports[-1]}) once powered "
+        f"on; root logs in with {key}\n"
+        f"  the fleet's key:     export FLEET_SSH_KEY_FILE={key}   (for `fleetctl serve`)\n"
+        f"  Ansible inventory:   {inventory} (+ host_vars/), host keys in "
+        f"{directory / 'known_hosts'}\n"
+        f"  e.g. ansible-playbook -i {directory} --private-key {key} -u root "
+        "ansible/playbooks/deploy.yml   (docs/ansible.md)"
+    )
+
+
+@lab_app.command("ssh-key")
+@handled
+def lab_ssh_key(lab_dir: LabDir = LAB_DIR) -> None:
+    """Print the path of the lab's SSH client key (DIR/ssh/id_ed25519, made now if need be):
+    `export FLEET_SSH_KEY_FILE=$(fleetctl lab ssh-key)` before `fleetctl serve`."""
+    from fleet.lab.ssh_hosts import ensure_client_key
+
+    typer.echo(str(ensure_client_key(lab_dir)))
 
 
 @lab_app.command("status")
@@ -197,7 +244,9 @@ def lab_status(lab_dir: LabDir = LAB_DIR, output: Out = Output.TABLE) -> None:
         return
     for row in rows:
         row["power"] += " (booting)" if row["booting"] else ""
-    show(rows, output, LAB_COLUMNS)
+    ssh = any(row["ssh"] for row in rows)  # SSH mode: each host's sshd
+    columns = [*LAB_COLUMNS[:3], ("ssh", "SSH"), *LAB_COLUMNS[3:]] if ssh else LAB_COLUMNS
+    show(rows, output, columns)
     show(list(racks.values()), output, LAB_RACK_COLUMNS)
     for row in rows:
         if row["error"]:

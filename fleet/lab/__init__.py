@@ -10,6 +10,8 @@ protocol peers.
     sushy.py      the Redfish emulator (sushy-tools); ipmi_sim.py: the IPMI emulator
     sushy_power.py  the lab's Power extension of sushy-tools (a chassis per system, its draw)
     harness.py    the fleet's own processes (service, router, lab) for tests, bench and demo
+    ssh_hosts.py  SSH mode: each server's OS as a real sshd in its own mount+PID namespace
+    standin_systemd.py  the STAND-IN systemctl/journalctl those hosts run (not systemd)
 """
 
 from __future__ import annotations

@@ -40,6 +40,18 @@ exits, not only the process.
 Cleanup when the lab process dies without running `down()` (SIGKILL, a crash): the agents die
 with it (PR_SET_PDEATHSIG) and a sentinel process stops every process group it registered
 (fleet/lab/processes.py). `workdir/lab.json` is written and read by fleet/lab/state.py.
+
+SSH mode (`ssh=True`, `fleetctl lab up --ssh`): a powered-on server boots an SSH HOST instead
+of the lab's agent (fleet/lab/ssh_hosts.py: its own mount + PID namespace, sshd on 127.0.0.1,
+the STAND-IN systemd of fleet/lab/standin_systemd.py), so Ansible installs the agent as an
+operator would. The host is one process group (unshare and the namespace's init) handled like an
+agent's: started by the controller thread with PDEATHSIG, watched by the sentinel; a power-off
+SIGKILLs it (a power cut: the namespace dies with its init), a reboot or `down()` SIGTERMs it
+first (its init stops sshd and the units). `systemctl reboot` on a host leaves a request file
+that the controller picks up every `watch_interval_s`: the host goes down and boots again after
+the boot delay, the BMC on. The lab still models the draw from the agent's /metrics (at the port
+it gives the agent in Ansible's host_vars, `write_ansible_inventory`) and `inject` still reaches
+it with the lab's key, which host_vars hand to the agent.
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -86,6 +99,14 @@ from fleet.lab.processes import (
     free_port_block,
     signal_group,
     usage_of,
+)
+from fleet.lab.ssh_hosts import (
+    AUTHORIZED_KEYS,
+    CLIENT_KEY,
+    SshHost,
+    check_ssh_mode,
+    check_sshd_config,
+    ensure_client_key,
 )
 from fleet.lab.state import (
     STATE_FILE,
@@ -126,6 +147,10 @@ POWER_FEED_WORKERS = 16  # agents' /metrics read at once
 IPMI_POWER_RANGE = 1.25
 IPMI_POWER_MAX_W = 255.0 * 1023  # the widest one IPMI sensor can show (M is 10 bits)
 GPU_POWER_METRIC = "agent_gpu_power_watts"
+# SSH mode: a host boots again only once its former life is gone (port free), checked this often,
+# at most this many times (then it boots anyway, and says what went wrong if sshd cannot bind).
+HOST_WAIT_S = 0.1
+HOST_WAIT_ROUNDS = 100
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +181,13 @@ class _Node:
     published_w: float | None = None  # what the BMC reads now (None: no reading)
     # A figure the BMC reads instead of the model (tests of a BMC gone wrong): (watts,) or None.
     override: tuple[float | None] | None = None
+    # SSH mode: the server's OS (fleet/lab/ssh_hosts.py), its running namespace, and the ports
+    # Ansible's host_vars give its agent (fixed for the lab's life).
+    host: SshHost | None = None
+    host_proc: subprocess.Popen[bytes] | None = None
+    host_ref: ProcRef | None = None
+    agent_port: int = 0
+    engine_base_port: int = 0
 
     @property
     def redfish(self) -> bool:
@@ -197,6 +229,7 @@ class _Stopping:
     proc: subprocess.Popen[bytes]
     kill_at: float
     killed: bool = False
+    node: str | None = None  # an SSH host's server: it boots again only once this is gone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +243,17 @@ def _servers_of(inventory: InventoryFile) -> Iterator[tuple[str, ServerIn]]:
                 yield rack.name, server
     for racked in inventory.servers:
         yield racked.rack, racked
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:`port` (bound with SO_REUSEADDR, as sshd binds)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
 
 
 def _valid_uuid(value: str | None) -> str | None:
@@ -279,7 +323,8 @@ class VirtualColo:
     interpreter exit.
 
     `power_feed_s` is how often the BMCs' power readings follow the modelled draw (module doc);
-    `no_power_reading` names servers whose BMC gives no power reading at all.
+    `no_power_reading` names servers whose BMC gives no power reading at all. `ssh`: SSH mode
+    (module doc; root only): `token_for` is then never called, Ansible mints the agents' tokens.
     """
 
     def __init__(
@@ -297,6 +342,7 @@ class VirtualColo:
         state_file: Path | str | None = STATE_FILE,
         power_feed_s: float = POWER_FEED_S,
         no_power_reading: Iterable[str] = (),
+        ssh: bool = False,
     ) -> None:
         if not isinstance(inventory, InventoryFile):
             inventory = parse_inventory(inventory)
@@ -306,6 +352,7 @@ class VirtualColo:
             raise ValueError("power_feed_s must be > 0")
         self.inventory = inventory
         self.workdir = Path(workdir).resolve()
+        self.ssh = ssh
         self.fleet_url = fleet_url
         self.boot_delay_s = boot_delay_s
         self.agent_env = dict(agent_env or {})
@@ -381,6 +428,8 @@ class VirtualColo:
         try:
             for node in self._nodes.values():
                 node.workdir.mkdir(parents=True, exist_ok=True)
+            if self.ssh:
+                self._prepare_hosts()
             self._sentinel = Sentinel(self.stop_grace_s)
             self._start_emulators()
             self._controller = threading.Thread(
@@ -403,6 +452,37 @@ class VirtualColo:
         self._write_state()
         log.info("lab up: %d servers in %.1f s", len(self._nodes), self.up_seconds)
         return self
+
+    def _prepare_hosts(self) -> None:
+        """SSH mode: the client key, and every server's host (keys, sshd config, shims) with
+        its sshd port and its agent's ports, distinct and fixed for the lab's life."""
+        check_ssh_mode()
+        ensure_client_key(self.workdir)
+        taken: set[int] = set()
+
+        def port(count: int = 1) -> int:
+            for _ in range(100):  # free_port_block checks each block is free now, not distinct
+                base = free_port_block(count)
+                block = set(range(base, base + count))
+                if not block & taken:
+                    taken.update(block)
+                    return base
+            raise LabError("no distinct free ports left for the lab's SSH hosts")
+
+        for node in self._nodes.values():
+            node.host = SshHost(
+                node.name,
+                self.workdir / "hosts" / node.name,
+                port(),
+                self.workdir / AUTHORIZED_KEYS,
+                self.stop_grace_s,
+            )
+            node.host.prepare()
+            node.agent_port = port()
+            node.engine_base_port = port(max(node.spec.gpu.count, 1))
+        first = next(iter(self._nodes.values()), None)
+        if first is not None and first.host is not None:
+            check_sshd_config(first.host)  # every host's config is alike: one check
 
     def _start_emulators(self) -> None:
         redfish = [n for n in self._nodes.values() if n.redfish]
@@ -505,6 +585,7 @@ class VirtualColo:
             for node in self._nodes.values():
                 node.boot_at = None
                 self._stop_agent(node)
+                self._stop_host(node, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_s + 5
         while self._stopping and time.monotonic() < deadline:
             self._reap_stopping()
@@ -533,9 +614,10 @@ class VirtualColo:
     def _run_controller(self) -> None:
         next_reconcile = time.monotonic() + self.reconcile_interval_s
         next_poll = time.monotonic() + AGENT_POLL_S
+        next_reboots = time.monotonic() + self.watch_interval_s if self.ssh else math.inf
         while not self._closing:
             now = time.monotonic()
-            wake = min(next_reconcile, next_poll)
+            wake = min(next_reconcile, next_poll, next_reboots)
             if self._timers:
                 wake = min(wake, self._timers[0].due)
             if self._stopping:
@@ -556,6 +638,9 @@ class VirtualColo:
             if now >= next_poll:
                 self._safely(self._poll_agents)
                 next_poll = now + AGENT_POLL_S
+            if now >= next_reboots and not self._closing:
+                self._safely(self._poll_reboots)
+                next_reboots = now + self.watch_interval_s
             if now >= next_reconcile and not self._closing:
                 self._safely(self._reconcile)
                 next_reconcile = time.monotonic() + self.reconcile_interval_s
@@ -583,19 +668,103 @@ class VirtualColo:
             else:
                 node.boot_at = None
                 self._stop_agent(node)
+                self._stop_host(node, signal.SIGKILL)  # a power cut: the whole namespace
         log.info("%s: power %s", node.name, "on" if on else "off")
         self._write_state()
 
-    def _boot(self, node: _Node, generation: int) -> None:
+    def _boot(self, node: _Node, generation: int, waited: int = 0) -> None:
         if self._closing or node.generation != generation or not node.on:
             return  # powered off (or cycled) since this boot began
+        if node.host is not None and waited < HOST_WAIT_ROUNDS and not self._host_gone(node):
+            # The host's previous life (a reboot's graceful stop) is still ending: its sshd
+            # holds the port. Bounded: the stop is SIGKILLed after the grace.
+            self._after(HOST_WAIT_S, lambda: self._boot(node, generation, waited + 1))
+            return
         with self._state_lock:
             node.boot_at = None
             try:
-                self._start_agent(node)
+                if node.host is not None:
+                    self._start_host(node)
+                else:
+                    self._start_agent(node)
             except Exception as exc:
-                node.error = f"agent not started: {exc}"
+                node.error = f"{'host' if node.host else 'agent'} not started: {exc}"
                 log.error("%s: %s", node.name, node.error)
+        self._write_state()
+
+    def _host_gone(self, node: _Node) -> bool:
+        if any(s.node == node.name for s in self._stopping):
+            return False
+        return node.host is None or port_free(node.host.port)
+
+    def _start_host(self, node: _Node) -> None:
+        """SSH mode: boot the server's OS (fleet/lab/ssh_hosts.py): its namespace's init starts
+        the enabled units (the agent, once Ansible installed it), then sshd."""
+        host = node.host
+        assert host is not None
+        host.reboot_request.unlink(missing_ok=True)  # one from a former life is not for this one
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+        with host.console.open("ab") as out:
+            out.write(
+                f"--- lab: power-on boot done {_now()}, sshd on {HOST}:{host.port}\n".encode()
+            )
+            out.flush()
+            proc = subprocess.Popen(
+                host.command(),
+                cwd=host.dir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: unshare and the namespace's init
+                preexec_fn=die_with_parent(os.getpid()),
+            )
+        if self._sentinel is not None:
+            self._sentinel.watch(proc.pid)
+        node.host_proc, node.host_ref = proc, ProcRef.of(proc.pid)
+        node.agent_url = f"http://{HOST}:{node.agent_port}"  # once Ansible has installed it
+        node.error = None
+        log.info("%s: host pid %d, sshd on %s:%d", node.name, proc.pid, HOST, host.port)
+
+    def _stop_host(self, node: _Node, sig: int) -> None:
+        """SIGTERM: the host's init stops sshd and the units (a reboot, the lab going down);
+        SIGKILL: a power cut. Either way the namespace ends with its init; `_reap_stopping`
+        SIGKILLs it after the grace."""
+        proc = node.host_proc
+        node.host_proc, node.host_ref = None, None
+        if node.host is not None:
+            node.agent_url = None
+        if proc is None:
+            return
+        signal_group(proc.pid, sig)
+        self._stopping.append(
+            _Stopping(
+                proc,
+                time.monotonic() + self.stop_grace_s,
+                killed=sig == signal.SIGKILL,
+                node=node.name,
+            )
+        )
+
+    def _poll_reboots(self) -> None:
+        """`systemctl reboot` on a host left a request file: reboot that host."""
+        for node in self._nodes.values():
+            host = node.host
+            if host is None or node.host_proc is None or not host.reboot_request.exists():
+                continue
+            host.reboot_request.unlink(missing_ok=True)
+            self._reboot_host(node)
+
+    def _reboot_host(self, node: _Node) -> None:
+        """Down (graceful), then up after the boot delay; the BMC stays on."""
+        with self._state_lock:
+            node.generation += 1
+            self._stop_host(node, signal.SIGTERM)
+            self._publish_power(node, None)
+            node.boot_at = time.monotonic() + self.boot_delay_s
+            generation = node.generation
+            self._after(self.boot_delay_s, lambda: self._boot(node, generation))
+        log.info("%s: rebooting (systemctl reboot on the host)", node.name)
         self._write_state()
 
     def _start_agent(self, node: _Node) -> None:
@@ -692,6 +861,18 @@ class VirtualColo:
                 node.error = f"agent exited with status {code} (see {node.workdir}/agent.log)"
                 log.warning("%s: %s", node.name, node.error)
                 changed = True
+            for node in self._nodes.values():
+                host_proc = node.host_proc
+                if host_proc is None or node.host is None or not child_exited(host_proc.pid):
+                    continue
+                signal_group(host_proc.pid, signal.SIGKILL)
+                code = host_proc.wait(timeout=5)
+                if self._sentinel is not None:
+                    self._sentinel.forget(host_proc.pid)
+                node.host_proc, node.host_ref, node.agent_url = None, None, None
+                node.error = f"host exited with status {code} (see {node.host.console})"
+                log.warning("%s: %s", node.name, node.error)
+                changed = True
         if changed:
             self._write_state()
 
@@ -714,7 +895,13 @@ class VirtualColo:
     def _feed_once(self, pool: ThreadPoolExecutor) -> None:
         with self._state_lock:
             plan = [
-                (node, node.generation, node.agent_url if node.agent is not None else None)
+                (
+                    node,
+                    node.generation,
+                    node.agent_url
+                    if node.agent is not None or node.host_proc is not None
+                    else None,
+                )
                 for node in self._nodes.values()
                 if node.on
             ]
@@ -919,6 +1106,25 @@ class VirtualColo:
         proc = self._node(server).agent
         return proc.pid if proc is not None else None
 
+    def host_pid(self, server: str) -> int | None:
+        """SSH mode: the pid of the server's running host (its `unshare`, the namespace's
+        parent; the group of both); None while off or booting."""
+        proc = self._node(server).host_proc
+        return proc.pid if proc is not None else None
+
+    def ssh_host(self, server: str) -> SshHost:
+        """SSH mode: the server's host (port, host key and fingerprint, directories)."""
+        host = self._node(server).host
+        if host is None:
+            raise LabError("the lab is not in SSH mode (or not up): no SSH hosts")
+        return host
+
+    @property
+    def ssh_key_file(self) -> Path:
+        """SSH mode: the lab's client private key (0600), authorized for root on every host:
+        the fleet's FLEET_SSH_KEY_FILE and Ansible's --private-key."""
+        return self.workdir / CLIENT_KEY
+
     def bmc_endpoint(self, server: str) -> str:
         return bmc_endpoint(self._server_state(self._node(server)))
 
@@ -966,6 +1172,17 @@ class VirtualColo:
         if node.agent_ref is not None:
             # The key lets `fleetctl lab inject` (another process) reach /faults: lab.json is 0600.
             entry["agent"] = {**asdict(node.agent_ref), "url": node.agent_url, "key": node.api_key}
+        if node.host is not None:
+            entry["ssh"] = {
+                "address": HOST,
+                "port": node.host.port,
+                "host_key": node.host.fingerprint,
+                "host": asdict(node.host_ref) if node.host_ref is not None else None,
+                "dir": str(node.host.dir),
+            }
+            if node.host_ref is not None:
+                # Ansible installs this agent (host_vars): no pid of the lab's, same key.
+                entry["agent"] = {"url": node.agent_url, "key": node.api_key}
         return entry
 
     def _write_state(self) -> None:
@@ -988,6 +1205,7 @@ class VirtualColo:
         emulators = self._emulator_pids()
         with self._state_lock:
             agents = {n.agent.pid for n in self._nodes.values() if n.agent is not None}
+            agents |= {n.host_proc.pid for n in self._nodes.values() if n.host_proc is not None}
             agents |= {s.proc.pid for s in self._stopping}
         return usage_of(lab, emulators, agents)
 
@@ -1017,13 +1235,78 @@ class VirtualColo:
             raise LabError("the lab is not up: the emulators' ports are known once it is")
         data = self.inventory.model_dump(mode="json", exclude_none=True)
         bmcs = {name: self._bmc_of(node) for name, node in self._nodes.items()}
-        for site in data.get("sites", []):
-            for rack in site.get("racks", []):
-                for server in rack.get("servers", []):
-                    server["bmc"] = bmcs[server["name"]]
-        for server in data.get("servers", []):
+        ssh = {
+            name: {"address": HOST, "port": node.host.port, "host_key": node.host.fingerprint}
+            for name, node in self._nodes.items()
+            if node.host is not None
+        }
+        servers = [
+            s
+            for site in data.get("sites", [])
+            for r in site.get("racks", [])
+            for s in r.get("servers", [])
+        ]
+        for server in servers + data.get("servers", []):
             server["bmc"] = bmcs[server["name"]]
+            if server["name"] in ssh:
+                server["ssh"] = ssh[server["name"]]  # the host key pinned from the inventory
         return data
+
+    def write_ansible_inventory(self, directory: Path | str) -> Path:
+        """SSH mode: what Ansible needs to deploy the agent to the lab's hosts as an operator
+        would. Writes `directory/fleet.yml` (the fleet's dynamic inventory: `plugin: fleet`,
+        URL and token from FLEET_URL / FLEET_TOKEN), `directory/host_vars/<server>.yml` (the
+        agent's port, simulated telemetry, its environment: the lab's simulated GPUs, local-API
+        key and stand-in engines; 0600, as it holds that key) and `directory/known_hosts` (every
+        host's key, `[127.0.0.1]:port`). Returns the fleet.yml path; `-i DIRECTORY` or `-i
+        DIRECTORY/fleet.yml` both read the host_vars."""
+        if not self.ssh or not self._started or self._down:
+            raise LabError("write_ansible_inventory needs a lab up in SSH mode (--ssh)")
+        directory = Path(directory)
+        host_vars = directory / "host_vars"
+        host_vars.mkdir(parents=True, exist_ok=True)
+        host_vars.chmod(0o700)
+        inventory = directory / "fleet.yml"
+        inventory.write_text(
+            "# The fleet's dynamic inventory (ansible/plugins/inventory/fleet.py): FLEET_URL and\n"
+            "# FLEET_TOKEN (a viewer token) come from the environment.\nplugin: fleet\n"
+        )
+        lines = []
+        for node in self._nodes.values():
+            assert node.host is not None
+            values = {
+                "fleet_agent_listen_port": node.agent_port,
+                "fleet_agent_telemetry": "simulated",
+                "fleet_agent_python": "/usr/bin/python3",
+                "fleet_agent_env": self._host_agent_env(node),
+            }
+            path = host_vars / f"{node.name}.yml"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(
+                    "# Written by the lab (fleet/lab/colo.py): this server's simulated GPUs.\n"
+                )
+                yaml.dump(values, out, Dumper=_NoAliases, sort_keys=False)
+            lines.append(node.host.known_hosts_line())
+        (directory / "known_hosts").write_text("\n".join(lines) + "\n")
+        return inventory
+
+    def _host_agent_env(self, node: _Node) -> dict[str, str]:
+        """The agent's environment on an SSH host, beyond what the role writes itself (server,
+        token, fleet URL, port, telemetry, work dir): what the lab gives its own agents."""
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            "FLEET_AGENT_SIM_GPU_MODEL": node.spec.gpu.model,
+            "FLEET_AGENT_SIM_GPUS": str(node.spec.gpu.count),
+            "FLEET_AGENT_SIM_FAULT_FILE": str(node.workdir / "faults.json"),
+            "FLEET_AGENT_SIM_SEED": str(node.seed),
+            "FLEET_AGENT_ENGINE_COMMAND": f"{sys.executable} -m fleet_agent.engine.standin",
+            "FLEET_AGENT_ENGINE_BASE_PORT": str(node.engine_base_port),
+            "FLEET_STANDIN_GPU": node.spec.gpu.model,
+        }
+        env.update(self.agent_env)
+        env["FLEET_AGENT_API_KEY"] = node.api_key  # the key `inject` presents: not overridable
+        return env
 
     def rewritten_yaml(self) -> str:
         return yaml.dump(

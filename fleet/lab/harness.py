@@ -4,7 +4,9 @@
   child in a process group of its own with the settings given (the caller's FLEET_* environment
   dropped), its output in a log file; started, SIGKILLed (a crash), restarted on the same port,
   stopped group-wide (SIGTERM, then SIGKILL after a grace).
-- `start_lab()`: the virtual colo in front of a service, its inventory imported.
+- `start_lab()`: the virtual colo in front of a service, its inventory imported; with
+  `ssh=True` its servers are SSH hosts (fleet/lab/ssh_hosts.py), and `lab_ssh_settings(workdir)`
+  gives the service the lab's client key (FLEET_SSH_KEY_FILE) before the lab is up.
 - `FAST_SERVICE_SETTINGS`, `SERVING_SETTINGS`, `FAST_AGENT_SETTINGS`: the control loops and the
   agents shortened so that a world settles in seconds instead of minutes; one set, which each
   caller overrides only where its scenario is about that setting.
@@ -31,6 +33,7 @@ import httpx
 
 from fleet.lab.colo import POWER_FEED_S, VirtualColo
 from fleet.lab.processes import die_with_parent
+from fleet.lab.ssh_hosts import ensure_client_key
 from fleet.lab.sushy import free_port
 
 T = TypeVar("T")
@@ -327,12 +330,15 @@ def start_lab(
     agent_env: Mapping[str, str],
     no_power_reading: Iterable[str] = (),
     power_feed_s: float = POWER_FEED_S,
+    ssh: bool = False,
 ) -> VirtualColo:
     """The virtual colo of `inventory` (YAML) under `workdir`, up, its servers imported into
     the service (their BMC addresses rewritten to the lab's emulators). The caller takes it
     down (`colo.down()`), agents before the service they talk to. `no_power_reading` names
     servers whose BMC gives no power reading; `power_feed_s` is how often the BMCs' readings
-    follow the modelled draw (fleet/lab/colo.py)."""
+    follow the modelled draw (fleet/lab/colo.py). `ssh`: every server's OS is an SSH host
+    instead of the lab's agent, its `ssh` block (address, port, pinned host key) imported too;
+    start the service with `lab_ssh_settings(workdir)` so that it holds the lab's key."""
     colo = VirtualColo(
         inventory,
         workdir,
@@ -342,6 +348,7 @@ def start_lab(
         agent_env=dict(agent_env),
         no_power_reading=no_power_reading,
         power_feed_s=power_feed_s,
+        ssh=ssh,
     )
     try:
         colo.up()
@@ -359,6 +366,14 @@ def start_lab(
     return colo
 
 
+def lab_ssh_settings(workdir: Path) -> dict[str, str]:
+    """The service's settings for a lab in SSH mode under `workdir`: the lab's client key
+    (made now if need be, the same one `start_lab(..., ssh=True)` authorizes on every host), so
+    the service can start before the lab: `ServeProcess(..., {**settings, **lab_ssh_settings(w)})`.
+    """
+    return {"FLEET_SSH_KEY_FILE": str(ensure_client_key(workdir))}
+
+
 __all__ = [
     "FAST_AGENT_SETTINGS",
     "FAST_SERVICE_SETTINGS",
@@ -372,6 +387,7 @@ __all__ = [
     "WaitTimeout",
     "child_env",
     "free_port",
+    "lab_ssh_settings",
     "start_lab",
     "wait_for",
 ]

@@ -2,6 +2,9 @@
 `fleetctl lab status|inject|down` in another process. It names the lab's processes (pid and start
 time, so a reused pid never matches), its emulators and sentinel, and every server's BMC and
 agent; mode 0600, since it holds the lab-only emulator password and each agent's local-API key.
+In SSH mode (fleet/lab/ssh_hosts.py) a server's entry has an `ssh` block (address, port, host
+key fingerprint, the running host's process) and its agent (installed by Ansible, not the lab's
+child) is known by URL and key only.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class ServerStatus:
     agent_ready: bool | None
     power_w: float
     error: str | None = None  # why no agent runs on a powered-on server (token, exit status)
+    ssh: str | None = None  # SSH mode: the host's sshd, "127.0.0.1:port"
 
 
 def write_state(path: Path, state: Mapping[str, Any]) -> None:
@@ -89,6 +93,10 @@ def recorded_processes(state: Mapping[str, Any]) -> list[tuple[str, ProcRef]]:
         ref = _ref(server.get("agent"))
         if ref is not None:
             found.append((f"agent of {name}", ref))
+        ssh = server.get("ssh")
+        ref = _ref(ssh.get("host")) if isinstance(ssh, Mapping) else None
+        if ref is not None:  # leads its group: unshare and the host's namespace
+            found.append((f"host of {name}", ref))
     return found
 
 
@@ -106,6 +114,10 @@ def _status_of(name: str, entry: Mapping[str, Any], credentials: tuple[str, str]
     agent = entry.get("agent")
     alive = agent is not None and _alive(agent)
     url = agent.get("url") if alive and agent else None
+    ssh = entry.get("ssh")
+    if isinstance(ssh, Mapping):  # the agent is the host's (Ansible's): up while the host is
+        alive = False
+        url = agent.get("url") if agent and _alive(ssh.get("host")) else None
     return ServerStatus(
         name=name,
         rack=str(entry.get("rack")),
@@ -116,6 +128,7 @@ def _status_of(name: str, entry: Mapping[str, Any], credentials: tuple[str, str]
         agent_pid=int(agent["pid"]) if alive and agent else None,
         agent_url=url,
         agent_ready=_ready(url) if url else None,
+        ssh=f"{ssh['address']}:{ssh['port']}" if isinstance(ssh, Mapping) else None,
         power_w=float(entry.get("power_w") or 0.0),
         error=entry.get("error"),
     )
