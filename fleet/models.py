@@ -524,6 +524,7 @@ class ServerUpdate(_Update):
 class ServerPublic(ServerBase):
     site: str
     rack: str
+    deployment: str | None  # the deployment whose replicas it runs (provisioning sets it)
     state: ServerState
     state_changed_at: datetime
     power_state: PowerState

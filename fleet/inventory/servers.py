@@ -14,6 +14,7 @@ from fleet.errors import ConflictError, ForbiddenError, NotFoundError
 from fleet.events import record_update, set_fields
 from fleet.lifecycle.states import ServerState
 from fleet.models import (
+    Deployment,
     Event,
     Gpu,
     GpuPublic,
@@ -127,18 +128,25 @@ class ServerFilter:
 
 
 def _with_place() -> Any:
-    """Servers with their rack and site names."""
+    """Servers with their rack and site names, and the deployment they serve (if any)."""
     return (
-        select(Server, Rack.name, Site.name)
+        select(Server, Rack.name, Site.name, Deployment.name)
         .select_from(Server)
         .join(Rack, col(Rack.id) == Server.rack_id)
         .join(Site, col(Site.id) == Rack.site_id)
+        .outerjoin(Deployment, col(Deployment.id) == Server.deployment_id)
     )
 
 
-def _public(server: Server, rack: str, site: str) -> ServerPublic:
-    data = server.model_dump(exclude={"bmc_password_encrypted", "id", "rack_id"})
-    return ServerPublic(**data, rack=rack, site=site, bmc_password_set=has_bmc_password(server))
+def _public(server: Server, rack: str, site: str, deployment: str | None) -> ServerPublic:
+    data = server.model_dump(exclude={"bmc_password_encrypted", "id", "rack_id", "deployment_id"})
+    return ServerPublic(
+        **data,
+        rack=rack,
+        site=site,
+        deployment=deployment,
+        bmc_password_set=has_bmc_password(server),
+    )
 
 
 def list_servers(
@@ -167,7 +175,7 @@ def list_servers(
     # rows for a deep OFFSET spills to disk on Postgres.
     page = ids.order_by(col(Server.name)).limit(limit).offset(offset).subquery()
     rows = session.exec(_with_place().join(page, page.c.id == Server.id).order_by(col(Server.name)))
-    return count, [_public(s, rack, site) for s, rack, site in rows]
+    return count, [_public(*row) for row in rows]
 
 
 def get_server(session: Session, name: str) -> ServerPublic:
