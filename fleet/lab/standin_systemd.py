@@ -54,7 +54,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -931,7 +931,7 @@ def parse_since(value: str, now: datetime | None = None) -> float:
 # The command lines
 
 
-def _split_options(args: Sequence[str], with_value: set[str]) -> tuple[list[str], dict[str, str]]:
+def _split_options(args: Sequence[str], with_value: Set[str]) -> tuple[list[str], dict[str, str]]:
     """Positional words and options (`--x=v`, `--x v`, `-p v`, flags → "")."""
     words: list[str] = []
     options: dict[str, str] = {}
@@ -1113,43 +1113,22 @@ def request_reboot(paths: Paths) -> None:
     journal_append(paths, "systemd-logind.service", "systemd-logind", 1, "System is rebooting.")
 
 
+# journalctl's options that take a value (the rest are flags).
+_JOURNAL_VALUE_OPTIONS = frozenset(
+    {"-u", "--unit", "-n", "--lines", "-S", "--since", "-U", "--until", "-o", "--output"}
+    | {"-p", "--priority", "-t", "--identifier"}
+)
+
+
 def journalctl(paths: Paths, args: Sequence[str]) -> int:
     args = list(args)
     for i, item in enumerate(args[:-1]):  # `-b [ID|±N]`: the stand-in knows this boot only
         if item in ("-b", "--boot") and re.fullmatch(r"-?\d+|[0-9a-f]{32}", args[i + 1]):
             del args[i + 1]
             break
-    words, options = _split_options(
-        args,
-        {
-            "-u",
-            "--unit",
-            "-n",
-            "--lines",
-            "-S",
-            "--since",
-            "-U",
-            "--until",
-            "-o",
-            "--output",
-            "-p",
-            "--priority",
-            "-t",
-            "--identifier",
-        },
-    )
+    words, options = _split_options(args, _JOURNAL_VALUE_OPTIONS)
     units = [unit_name(v) for k, v in _all_options(args, ("-u", "--unit")) if v]
-    known = {
-        "-u",
-        "--unit",
-        "-n",
-        "--lines",
-        "-S",
-        "--since",
-        "-U",
-        "--until",
-        "-o",
-        "--output",
+    known = _JOURNAL_VALUE_OPTIONS | {
         "--no-pager",
         "-q",
         "--quiet",
@@ -1166,14 +1145,10 @@ def journalctl(paths: Paths, args: Sequence[str]) -> int:
         "--all",
         "-l",
         "--full",
-        "-p",
-        "--priority",
         "--no-hostname",
         "-r",
         "--reverse",
         "--no-tail",
-        "-t",
-        "--identifier",
     }
     for option in options:
         if option not in known:
