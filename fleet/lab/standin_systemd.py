@@ -448,7 +448,7 @@ def _journal_lines(paths: Paths, name: str) -> list[tuple[float, str]]:
 class _Supervisor:
     def __init__(self, paths: Paths, name: str, invocation: str) -> None:
         self.paths, self.name = paths, name
-        self.state = Runtime(
+        self.runtime = Runtime(
             active="activating",
             sub="start",
             supervisor=os.getpid(),
@@ -500,7 +500,7 @@ class _Supervisor:
         self.stop_requested = True
 
     def _save(self) -> None:
-        write_runtime(self.paths, self.name, self.state)
+        write_runtime(self.paths, self.name, self.runtime)
 
     def _loop(self) -> int:
         while True:
@@ -534,11 +534,11 @@ class _Supervisor:
                 self._finish("failed", "failed", "start-limit-hit")
                 return 1
             self._kill_rest(unit.timeout_stop_s)  # the rest of the unit goes first, as systemd does
-            self.state.active, self.state.sub, self.state.main_pid = "activating", "auto-restart", 0
+            self.runtime.active, self.runtime.sub, self.runtime.main_pid = "activating", "auto-restart", 0
             self._save()
             self.log(
                 f"{self.name}: scheduled restart job, restart counter is at "
-                f"{self.state.n_restarts + 1}."
+                f"{self.runtime.n_restarts + 1}."
             )
             deadline = time.monotonic() + unit.restart_s
             while time.monotonic() < deadline and not self.stop_requested:
@@ -548,7 +548,7 @@ class _Supervisor:
                 self._kill_rest(unit.timeout_stop_s)
                 self._finish("inactive", "dead", "success")
                 return 0
-            self.state.n_restarts += 1
+            self.runtime.n_restarts += 1
 
     def _unit(self) -> Unit | None:
         try:
@@ -588,9 +588,9 @@ class _Supervisor:
         except OSError as exc:
             self.log(f"{self.name}: failed to execute {argv[0] if argv else '?'}: {exc.strerror}")
             return EXEC_FAILED
-        self.state.main_pid = self.main.pid
-        self.state.active, self.state.sub = "active", "running"
-        self.state.active_enter = time.time()
+        self.runtime.main_pid = self.main.pid
+        self.runtime.active, self.runtime.sub = "active", "running"
+        self.runtime.active_enter = time.time()
         self._save()
         self.log(f"Started {unit.description}.")
         while True:
@@ -641,13 +641,13 @@ class _Supervisor:
                 break
             if self.main is not None and pid == self.main.pid:
                 self.main.returncode = code = os.waitstatus_to_exitcode(status)
-                self.state.exec_main_status = code if code >= 0 else -code
+                self.runtime.exec_main_status = code if code >= 0 else -code
                 result = code
         return result
 
     def _stop(self, unit: Unit) -> None:
         """SIGTERM every process of the unit; SIGKILL what is left after the timeout."""
-        self.state.active, self.state.sub = "deactivating", "stop-sigterm"
+        self.runtime.active, self.runtime.sub = "deactivating", "stop-sigterm"
         self._save()
         self.log(f"Stopping {unit.description}...")
         self._kill_rest(unit.timeout_stop_s, main_only=unit.kill_mode in ("mixed", "process"))
@@ -675,9 +675,9 @@ class _Supervisor:
             time.sleep(POLL_S)
 
     def _finish(self, active: str, sub: str, result: str) -> None:
-        self.state.active, self.state.sub, self.state.result = active, sub, result
-        self.state.main_pid = 0
-        self.state.inactive_enter = time.time()
+        self.runtime.active, self.runtime.sub, self.runtime.result = active, sub, result
+        self.runtime.main_pid = 0
+        self.runtime.inactive_enter = time.time()
         self._save()
         self.log(f"{self.name}: {'Failed' if active == 'failed' else 'Stopped'} ({result}).")
 

@@ -204,10 +204,13 @@ def test_unknown_server_or_token_is_404(admin: httpx.Client) -> None:
     assert "ghost" in refused(admin.get(API, params={"server": "ghost"}), 404)
     assert "no token with id 999" in refused(admin.delete(f"{API}/999"), 404)
     assert "no token with id 999" in refused(admin.post(f"{API}/999/rotate"), 404)
-    # Not an id at all, or beyond the column: 422, not a database error.
-    for bad in ("abc", "0", str(2**31), str(2**70)):
+    # An id out of the column's range: 422, not a database error. Not a number at all: no
+    # such route (404), so that /tokens/agent and /tokens/self are never taken for ids.
+    for bad in ("0", str(2**31), str(2**70)):
         assert admin.delete(f"{API}/{bad}").status_code == 422, bad
         assert admin.post(f"{API}/{bad}/rotate").status_code == 422, bad
+    assert admin.delete(f"{API}/abc").status_code == 404
+    assert admin.post(f"{API}/abc/rotate").status_code == 404
 
 
 # ---------------------------------------------------------------------------------------------

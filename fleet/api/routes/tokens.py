@@ -111,7 +111,7 @@ def own_token(principal: CurrentUser, session: SessionDep) -> TokenPublic:
     return _public(auth.token_info(session, principal.token_id))
 
 
-@router.delete("/{token_id}")
+@router.delete("/{token_id:int}")
 def revoke(token_id: TokenId, user: Admin, session: SessionDep) -> TokenPublic:
     """Revoke a token (any role): 401 with it from now on. Revoking twice changes nothing."""
     info = auth.revoke_token(session, token_id, actor=user.actor)
@@ -119,7 +119,7 @@ def revoke(token_id: TokenId, user: Admin, session: SessionDep) -> TokenPublic:
     return _public(info)
 
 
-@router.post("/{token_id}/rotate", status_code=status.HTTP_201_CREATED)
+@router.post("/{token_id:int}/rotate", status_code=status.HTTP_201_CREATED)
 def rotate(
     token_id: TokenId, user: Admin, session: SessionDep, settings: SettingsDep
 ) -> MintedToken:
