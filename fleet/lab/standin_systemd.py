@@ -534,7 +534,11 @@ class _Supervisor:
                 self._finish("failed", "failed", "start-limit-hit")
                 return 1
             self._kill_rest(unit.timeout_stop_s)  # the rest of the unit goes first, as systemd does
-            self.runtime.active, self.runtime.sub, self.runtime.main_pid = "activating", "auto-restart", 0
+            self.runtime.active, self.runtime.sub, self.runtime.main_pid = (
+                "activating",
+                "auto-restart",
+                0,
+            )
             self._save()
             self.log(
                 f"{self.name}: scheduled restart job, restart counter is at "
