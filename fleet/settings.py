@@ -210,9 +210,11 @@ class Settings(BaseSettings):
     diagnose_max_bundle_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
     # Remediation's graceful step: a server to be rebooted is first asked over SSH
     # (`systemctl reboot`); the BMC power cycle follows only if its agent has not registered
-    # again within `ssh_reboot_deadline_s` (or the SSH request failed).
+    # again within `ssh_reboot_deadline_s` (or the SSH request failed). As long as a whole
+    # boot may take (the boot deadline's default): a GPU server's shutdown, POST and GPU
+    # stack take 10-25 minutes, and a cycle mid-boot is the double reboot this step avoids.
     remediation_ssh_reboot: bool = False
-    ssh_reboot_deadline_s: float = Field(default=600.0, gt=0)
+    ssh_reboot_deadline_s: float = Field(default=1500.0, gt=0)
 
     @field_validator("database_url")
     @classmethod

@@ -154,8 +154,12 @@ class ProvisionTick:
             # Even after a step's bug: the queued actions' write-ahead marks are committed, so
             # they go out (a cycle's mark is never retried). Before capacity: a boot the BMC
             # refused fails now and is replaced in this tick.
-            self._send_reboots()
-            self._send_power()
+            try:
+                self._send_power()
+            finally:
+                # After the BMC actions (they must never wait behind SSH), and even if
+                # sending those failed: the reboots' write-ahead marks are committed too.
+                self._send_reboots()
         try:
             self._hold_capacity()
         except FleetError as exc:
@@ -312,6 +316,8 @@ class ProvisionTick:
                     session.commit()
                     self.reboots.append(name)
                 elif graceful_reboot.deadline_passed(server, s, self.now):
+                    if self.report.breaker_open:
+                        return  # no automatic power cycle while the breaker is open
                     graceful_reboot.fall_back(
                         session,
                         server,

@@ -10,7 +10,10 @@ passphrase) is logged or put in a message; its path may be.
 from __future__ import annotations
 
 import select
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import paramiko
@@ -34,6 +37,10 @@ __all__ = [
 # How long one wait for output may last before the loop looks at the clock again.
 _POLL_S = 0.05
 _CHUNK = 64 * 1024
+# The watchdog closes a connection this long after a command's own bound has passed.
+_WATCHDOG_GRACE_S = 5.0
+# Keepalives on an open connection: a host that vanishes shows as a dead transport.
+_KEEPALIVE_S = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +119,7 @@ def connect(
     key = key or load_key(settings)
     timeout_s = settings.ssh_connect_timeout_s
     transport = start_transport(target.server, target.address, target.port, timeout_s)
+    transport.set_keepalive(_KEEPALIVE_S)
     try:
         check(target.server, target.host_key, transport.get_remote_server_key())
         transport.auth_publickey(settings.ssh_user, key)
@@ -146,6 +154,26 @@ def run_on(
     the command's pipes) and the result says so."""
     start = time.monotonic()
     deadline = start + timeout_s
+    with _watchdog(transport, timeout_s) as fired:
+        try:
+            return _run_channel(transport, target, command, timeout_s, max_bytes, start, deadline)
+        except SshError:
+            if fired.is_set():
+                raise SshError(
+                    f"server {target.server}: no answer over SSH within {timeout_s:g} s"
+                ) from None
+            raise
+
+
+def _run_channel(
+    transport: paramiko.Transport,
+    target: SshTarget,
+    command: str,
+    timeout_s: float,
+    max_bytes: int,
+    start: float,
+    deadline: float,
+) -> CommandResult:
     try:
         channel = transport.open_session(timeout=max(0.1, timeout_s))
     except (paramiko.SSHException, OSError, EOFError) as exc:
@@ -236,6 +264,41 @@ def request_reboot(target: SshTarget, settings: Settings, command: str = REBOOT_
     settings.ssh_command_timeout_s. `command`: for tests (never reboot the test machine)."""
     transport = connect(target, settings)
     timeout_s = settings.ssh_command_timeout_s
+    with _watchdog(transport, timeout_s) as fired:
+        try:
+            _reboot_on(transport, target, command, timeout_s)
+        except SshError:
+            if fired.is_set():
+                raise SshError(
+                    f"server {target.server}: `{command}` got no answer within {timeout_s:g} s"
+                ) from None
+            raise
+
+
+@contextmanager
+def _watchdog(transport: paramiko.Transport, timeout_s: float) -> Iterator[threading.Event]:
+    """Close the transport `timeout_s` (plus a grace) after entry: paramiko waits without a
+    timeout for some answers (the reply to exec_command), so a host that freezes after the
+    login would otherwise hold the caller, a provisioning tick included, forever. The event
+    says whether it fired."""
+    fired = threading.Event()
+
+    def expire() -> None:
+        fired.set()
+        transport.close()
+
+    timer = threading.Timer(timeout_s + _WATCHDOG_GRACE_S, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield fired
+    finally:
+        timer.cancel()
+
+
+def _reboot_on(
+    transport: paramiko.Transport, target: SshTarget, command: str, timeout_s: float
+) -> None:
     try:
         try:
             channel = transport.open_session(timeout=timeout_s)

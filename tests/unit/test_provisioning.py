@@ -26,7 +26,7 @@ from fleet.crypto import SecretBox
 from fleet.errors import FleetError
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Pool, PowerState, Server, utcnow
-from fleet.provisioning.autopilot import set_paused
+from fleet.provisioning.autopilot import get_autopilot, set_paused
 from fleet.provisioning.boots import BootResult, boot_spares
 from fleet.provisioning.operator_moves import operator_drain, operator_undrain
 from fleet.provisioning.tick import TickReport, provision_once
@@ -622,3 +622,25 @@ def test_remediation_cycles_a_server_without_ssh_even_when_enabled(
     ssh_tick(db, ssh)
     ssh_tick(db, ssh)
     assert row(db, name).boot_kind == "cycle" and ssh.asked == []
+
+
+def test_no_fallback_power_cycle_while_the_breaker_is_open(
+    db: Engine, fleet: dict[str, Any]
+) -> None:
+    [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
+    serve(db, name)
+    ssh = SshOs()
+    _remediate_over_ssh(db, name, ssh)
+    ssh_tick(db, ssh)  # asked over SSH; the OS never comes back
+    with Session(db) as session:
+        server = session.exec(select(Server).where(Server.name == name)).one()
+        assert server.ssh_reboot_sent_at is not None
+        server.ssh_reboot_sent_at -= timedelta(seconds=121)  # past the deadline
+        session.add(server)
+        autopilot = get_autopilot(session)
+        autopilot.breaker_open, autopilot.breaker_reason = True, "a sick fleet"
+        session.add(autopilot)
+        session.commit()
+    ssh_tick(db, ssh)
+    ssh_tick(db, ssh)
+    assert (name, "cycle") not in Bmc.commands and row(db, name).boot_kind == "ssh_reboot"
