@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleet_core.agent_defaults import DRAIN_DEADLINE_S
 
 Backend = Literal["nvml", "dcgm", "simulated"]
 
+log = logging.getLogger("fleet_agent")
+
+# A token is one line of printable ASCII (fleet tokens are `flt_` + base64url); a file larger than
+# this is not a token file.
+_MAX_TOKEN_BYTES = 4096
+
 
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEET_AGENT_", extra="ignore")
 
-    # Identity: the server this agent runs on (its inventory name) and its agent token.
+    # Identity: the server this agent runs on (its inventory name) and its agent token: exactly
+    # one of `token` (FLEET_AGENT_TOKEN) and `token_file` (FLEET_AGENT_TOKEN_FILE, mode 0600; a
+    # new token written there is used from the next request on, no restart: TokenFile below).
     server: str = Field(min_length=1, max_length=63)
-    token: SecretStr
+    token: SecretStr | None = None
+    token_file: Path | None = Field(default=None, validate_default=True)
     fleet_url: str = Field(default="http://127.0.0.1:8080", pattern=r"^https?://\S+$")
     # The agent's own HTTP API (/healthz, /readyz, /state, /metrics): routers read it.
     listen_host: str = "127.0.0.1"
@@ -73,6 +86,30 @@ class AgentSettings(BaseSettings):
     # to finish before the engines are stopped.
     drain_deadline_s: float = Field(default=DRAIN_DEADLINE_S, ge=0)
 
+    @field_validator("token_file")
+    @classmethod
+    def _one_token(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        given = info.data.get("token") is not None
+        if given == (value is not None):
+            raise ValueError(
+                "give the agent token in exactly one of FLEET_AGENT_TOKEN and"
+                f" FLEET_AGENT_TOKEN_FILE ({'both are' if given else 'neither is'} set)"
+            )
+        if value is not None:
+            # Refused now (mode, empty, unreadable) rather than at the first request.
+            try:
+                read_token_file(value)
+            except OSError as exc:
+                raise ValueError(_one_line(exc)) from None
+        return value
+
+    def bearer(self) -> Callable[[], str]:
+        """The agent token, asked for before each request to the fleet."""
+        if self.token_file is not None:
+            return TokenFile(self.token_file)
+        token = self.token.get_secret_value() if self.token is not None else ""
+        return lambda: token
+
     @model_validator(mode="after")
     def _tls_complete(self) -> AgentSettings:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -80,3 +117,78 @@ class AgentSettings(BaseSettings):
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("FLEET_AGENT_TLS_CLIENT_CA needs FLEET_AGENT_TLS_CERT and _KEY")
         return self
+
+
+class TokenFileError(ValueError):
+    """The token file cannot be used (its mode, its content); one line naming the file, never
+    what it holds."""
+
+
+# What identifies one version of the file: a rewrite (in place or by rename) changes one of them.
+_Signature = tuple[int, int, int, int]
+
+
+def _signature(st: os.stat_result) -> _Signature:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def read_token_file(path: Path) -> str:
+    return _read(path)[0]
+
+
+def _read(path: Path) -> tuple[str, _Signature]:
+    """The token in `path` (surrounding whitespace stripped) and the signature of the file read."""
+    with open(path, "rb") as file:
+        st = os.fstat(file.fileno())  # the file opened, not whatever the path names by now
+        if not stat.S_ISREG(st.st_mode):
+            raise TokenFileError(f"token file {path} is not a regular file")
+        if st.st_mode & 0o066:
+            raise TokenFileError(
+                f"token file {path} is readable or writable by group or others (mode"
+                f" {stat.S_IMODE(st.st_mode):04o}): chmod 600 {path}"
+            )
+        data = file.read(_MAX_TOKEN_BYTES + 1)
+    try:
+        token = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise TokenFileError(f"token file {path} holds bytes that are not ASCII") from None
+    if not token:
+        raise TokenFileError(f"token file {path} is empty")
+    if len(data) > _MAX_TOKEN_BYTES or not all(" " < c <= "~" for c in token):
+        raise TokenFileError(f"token file {path} holds more than one printable token")
+    return token, _signature(st)
+
+
+class TokenFile:
+    """The agent token from FLEET_AGENT_TOKEN_FILE, called before each request to the fleet: a
+    stat of the file, and a new read only when it changed (inode, size or mtime), so a rotated
+    token is used without restarting the agent (and its engines). A file that cannot be read
+    keeps the token in use (said once, until a read succeeds again)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._token, self._seen = _read(path)
+        self._failing = False
+
+    def __call__(self) -> str:
+        try:
+            if _signature(os.stat(self.path)) == self._seen:
+                return self._token
+            token, seen = _read(self.path)
+        except (OSError, TokenFileError) as exc:
+            if not self._failing:
+                self._failing = True
+                log.warning("agent token: %s (keeping the token in use)", _one_line(exc))
+            return self._token
+        if token != self._token:
+            log.info("agent token: read a new token from %s", self.path)
+        elif self._failing:
+            log.info("agent token: %s readable again", self.path)
+        self._token, self._seen, self._failing = token, seen, False
+        return token
+
+
+def _one_line(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"token file {exc.filename}: {exc.strerror or type(exc).__name__}"
+    return str(exc)

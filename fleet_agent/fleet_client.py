@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -30,16 +31,18 @@ class FleetClient:
     def __init__(
         self,
         url: str,
-        token: str,
+        token: str | Callable[[], str],
         timeout: float,
         transport: httpx.BaseTransport | None = None,
         ca_bundle: Path | None = None,
     ) -> None:
         # An https fleet is verified: against `ca_bundle` only when given, else the system's CAs.
         verify = ssl.create_default_context(cafile=str(ca_bundle) if ca_bundle else None)
+        # A callable is asked before each request (config.TokenFile: a rotated token is used
+        # from the next request on, without a restart).
+        self._token = token if callable(token) else (lambda: token)
         self._client = httpx.Client(
             base_url=url.rstrip("/"),
-            headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
             transport=transport,
             verify=verify,
@@ -56,7 +59,11 @@ class FleetClient:
 
     def _post(self, path: str, body: dict[str, Any]) -> Reply:
         try:
-            response = self._client.post(path, json=printable(body))
+            response = self._client.post(
+                path,
+                json=printable(body),
+                headers={"Authorization": f"Bearer {self._token()}"},
+            )
         except httpx.HTTPError as exc:
             raise FleetUnreachable(f"{path}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500:

@@ -97,7 +97,7 @@ def run(settings: AgentSettings, stop: threading.Event | None = None) -> None:
     telemetry = build_telemetry(settings)
     client = FleetClient(
         settings.fleet_url,
-        settings.token.get_secret_value(),
+        settings.bearer(),
         settings.request_timeout_s,
         ca_bundle=settings.ca_bundle,
     )

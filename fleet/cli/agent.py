@@ -53,7 +53,8 @@ def agent_run(
         typer.Option("--ca-bundle", help="Verify the fleet against [FLEET_AGENT_CA_BUNDLE]."),
     ] = None,
 ) -> None:
-    """Run the agent (token from FLEET_AGENT_TOKEN; every setting as FLEET_AGENT_*)."""
+    """Run the agent (token from FLEET_AGENT_TOKEN or FLEET_AGENT_TOKEN_FILE; every setting as
+    FLEET_AGENT_*)."""
     import logging
 
     from fleet_agent.config import AgentSettings

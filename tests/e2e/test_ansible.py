@@ -395,6 +395,37 @@ def test_deploy_installs_the_agents_and_a_second_run_changes_nothing(deployed: W
     assert sorted(t["server"] for t in tokens) == SERVERS  # one live token each, kept on rerun
 
 
+def test_deploy_refuses_to_restart_a_serving_agent(deployed: World) -> None:
+    deployed.serving()
+    run = deployed.ansible("ansible-playbook", "playbooks/deploy.yml", wheel=deployed.wheels.new)
+    assert run.returncode != 0, output(run)
+    assert f"is serving: installing {NEW} restarts its agent" in run.stdout, output(run)
+    rows = [deployed.server(n) for n in SERVERS]
+    assert all(r["state"] == "serving" and r["agent_version"] == VERSION for r in rows)
+
+
+def test_rotating_tokens_restarts_no_agent(deployed: World) -> None:
+    deployed.serving()
+    before = {n: deployed.server(n)["agent_registered_at"] for n in SERVERS}
+    old = deployed.api("GET", "/tokens", params={"role": "agent", "live": "true"})["results"]
+    run = deployed.ansible("ansible-playbook", "playbooks/rotate_tokens.yml")
+    assert run.returncode == 0, output(run)
+    new = deployed.api("GET", "/tokens", params={"role": "agent", "live": "true"})["results"]
+    assert sorted(t["server"] for t in new) == SERVERS
+    assert not {t["id"] for t in new} & {t["id"] for t in old}  # every one replaced
+    for token in old:  # the old ones end now: the agents must already use the new ones
+        deployed.api("DELETE", f"/tokens/{token['id']}")
+    heard = {n: deployed.server(n)["last_heartbeat_at"] for n in SERVERS}
+    wait_for(
+        "heartbeats with the new tokens",
+        lambda: all(deployed.server(n)["last_heartbeat_at"] > heard[n] for n in SERVERS),
+        30,
+        why=deployed.why,
+    )
+    assert {n: deployed.server(n)["agent_registered_at"] for n in SERVERS} == before
+    deployed.serving()
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Remediation over SSH, and its fallback to the BMC
 

@@ -26,20 +26,20 @@ from fleet.ssh.hostkeys import fingerprint
 BOUND_S = 0.5
 
 
-class FrozenHost(paramiko.ServerInterface):
+class FrozenHost(paramiko.ServerInterface):  # type: ignore[misc]
     """Accepts the key, opens sessions, then sits on every exec request."""
 
     def __init__(self, release: threading.Event) -> None:
         self.release = release
 
     def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
-        return paramiko.AUTH_SUCCESSFUL
+        return int(paramiko.AUTH_SUCCESSFUL)
 
     def get_allowed_auths(self, username: str) -> str:
         return "publickey"
 
     def check_channel_request(self, kind: str, chanid: int) -> int:
-        return paramiko.OPEN_SUCCEEDED
+        return int(paramiko.OPEN_SUCCEEDED)
 
     def check_channel_exec_request(self, channel: paramiko.Channel, command: bytes) -> bool:
         self.release.wait(30)  # frozen: the reply never comes while the test runs
