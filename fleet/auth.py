@@ -259,10 +259,9 @@ def revoke_token(session: Session, token_id: int, actor: str = "fleetctl") -> To
 # with an overlap so that an agent is never left without a working one.
 
 
-class NotAnAgentToken(FleetError):
-    """Rotation is for agent tokens; people and routers get a new token and revoke the old."""
-
-    status_code = 422
+class NotAnAgentToken(ConflictError):
+    """Rotation is for agent tokens; people and routers get a new token and revoke the old.
+    A 409: the request is well formed, the token it names is of another kind."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +313,8 @@ def rotate_token(
     old = _token(session, token_id, lock=True)  # two rotations of one token: one waits
     if old.role is not Role.AGENT or old.server_id is None:
         raise NotAnAgentToken(
-            f"token {token_id} is a {old.role} token: rotate applies to agent tokens "
+            f"token {token_id} is {'an' if str(old.role)[0] in 'aeiou' else 'a'} {old.role} token: "
+            "rotate applies to agent tokens "
             "(create a new one with `fleetctl token create` and revoke this one)"
         )
     if old.revoked_at is not None:

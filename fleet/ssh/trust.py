@@ -23,6 +23,11 @@ def trust(engine: Engine, name: str, settings: Settings, actor: str) -> str:
         server = session.exec(select(Server).where(Server.name == name)).one_or_none()
         if server is None:
             raise NotFoundError(f"no server named {name!r}")
+        if not server.ssh_address:  # the fleet's record, not the server, is wrong: 409
+            raise ConflictError(
+                f"server {name}: no SSH address: set ssh.address in the inventory or "
+                f"`PATCH /servers/{name}` ssh_address"
+            )
         target = target_for(server)
     # No transaction while the server answers.
     offered = fingerprint(

@@ -445,7 +445,7 @@ def test_the_api_checks_roles_and_input_and_serves_gzip(live: Live, fleet: dict[
     refused(operator.get(f"{API}/diagnostics/abc"), 422)
     assert "'ghost'" in refused(operator.get(f"{API}/servers/ghost/diagnostics"), 404)
     assert "'ghost'" in refused(admin.post(f"{API}/servers/ghost/ssh-trust"), 404)
-    assert "no SSH address" in refused(admin.post(f"{API}/servers/nossh/ssh-trust"), 502)
+    assert "no SSH address" in refused(admin.post(f"{API}/servers/nossh/ssh-trust"), 409)
 
 
 def test_ssh_trust_pins_on_first_contact_and_refuses_another_key(
