@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from fleet.crypto import SecretBox
 from fleet.db import session_scope
@@ -136,7 +136,9 @@ def test_patch_sets_ssh_fields_and_only_admins_touch_the_pin(db: Engine, box: Se
         assert shown.ssh_host_key is None
         fields = [
             e.details["fields"]
-            for e in session.exec(select(Event).where(Event.kind == "server.updated"))
+            for e in session.exec(
+                select(Event).where(Event.kind == "server.updated").order_by(col(Event.id))
+            )
         ]
     assert fields == [["ssh_address", "ssh_port"], ["ssh_host_key"], ["ssh_host_key"]]
 

@@ -602,6 +602,14 @@ def _run_every_command(
     cmd(("agent-tokens", "list"))
     rotated = json.loads(cmd(("agent-tokens", "rotate"), str(agent_row["id"]), "-o", "json").stdout)
     cmd(("agent-tokens", "revoke"), str(rotated["id"]))
+    # SSH from the fleet, on a server without an SSH address: each refusal one line, naming
+    # the server (the real sshd runs are tests/e2e/test_ssh.py and test_ansible.py).
+    cmd(("servers", "ssh-trust"), s2, code=1)
+    cmd(("servers", "known-hosts"), s2, "-o", str(tmp_path / "known_hosts"), code=1)
+    cmd(("servers", "diagnose"), s2, code=1)
+    cmd(("servers", "diagnostics"), s2)
+    cmd(("servers", "diagnostics-get"), "999999", "-o", str(tmp_path / "b.tar.gz"), code=1)
+    cmd(("lab", "ssh-key"), "--dir", str(tmp_path / "lab-key"))
     cmd(("db", "current"))
     cmd(("db", "upgrade"))
     cmd(("secret-key",))
