@@ -590,9 +590,8 @@ def test_remediation_falls_back_to_the_bmc_when_ssh_fails(
     assert _kinds(db, name) == ["server.reboot_fallback"]
 
 
-def test_remediation_falls_back_when_the_agent_is_not_back_in_time(
-    db: Engine, fleet: dict[str, Any]
-) -> None:
+def _asked_and_never_back(db: Engine, fleet: dict[str, Any]) -> tuple[str, SshOs]:
+    """A serving server remediated over SSH whose OS never comes back, its deadline passed."""
     [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
     serve(db, name)
     ssh = SshOs()
@@ -604,6 +603,13 @@ def test_remediation_falls_back_when_the_agent_is_not_back_in_time(
         server.ssh_reboot_sent_at -= timedelta(seconds=121)  # past the deadline
         session.add(server)
         session.commit()
+    return name, ssh
+
+
+def test_remediation_falls_back_when_the_agent_is_not_back_in_time(
+    db: Engine, fleet: dict[str, Any]
+) -> None:
+    name, ssh = _asked_and_never_back(db, fleet)
     ssh_tick(db, ssh)  # the deadline passed: power cycle next
     ssh_tick(db, ssh)
     assert Bmc.commands.count((name, "cycle")) == 1 and ssh.asked == [name]
@@ -627,16 +633,8 @@ def test_remediation_cycles_a_server_without_ssh_even_when_enabled(
 def test_no_fallback_power_cycle_while_the_breaker_is_open(
     db: Engine, fleet: dict[str, Any]
 ) -> None:
-    [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
-    serve(db, name)
-    ssh = SshOs()
-    _remediate_over_ssh(db, name, ssh)
-    ssh_tick(db, ssh)  # asked over SSH; the OS never comes back
+    name, ssh = _asked_and_never_back(db, fleet)
     with Session(db) as session:
-        server = session.exec(select(Server).where(Server.name == name)).one()
-        assert server.ssh_reboot_sent_at is not None
-        server.ssh_reboot_sent_at -= timedelta(seconds=121)  # past the deadline
-        session.add(server)
         autopilot = get_autopilot(session)
         autopilot.breaker_open, autopilot.breaker_reason = True, "a sick fleet"
         session.add(autopilot)
