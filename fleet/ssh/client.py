@@ -20,7 +20,7 @@ import paramiko
 
 from fleet.models import ServerBase
 from fleet.settings import Settings
-from fleet.ssh.hostkeys import SshError, check, start_transport, where
+from fleet.ssh.hostkeys import SshError, check, one_line, start_transport, where
 
 __all__ = [
     "CommandResult",
@@ -134,7 +134,7 @@ def connect(
         transport.close()
         raise SshError(
             f"server {target.server}: SSH login at {where(target.address, target.port)} "
-            f"failed: {_one_line(exc) or 'no answer within ' + format(timeout_s, 'g') + ' s'}"
+            f"failed: {one_line(exc) or 'no answer within ' + format(timeout_s, 'g') + ' s'}"
         ) from None
     except BaseException:
         transport.close()
@@ -178,7 +178,7 @@ def _run_channel(
         channel = transport.open_session(timeout=max(0.1, timeout_s))
     except (paramiko.SSHException, OSError, EOFError) as exc:
         raise SshError(
-            f"server {target.server}: cannot open an SSH session: {_one_line(exc)}"
+            f"server {target.server}: cannot open an SSH session: {one_line(exc)}"
         ) from None
     out, err = bytearray(), bytearray()
     truncated = timed_out = False
@@ -212,7 +212,7 @@ def _run_channel(
             else:
                 select.select([fd], [], [], min(_POLL_S, left))
     except (paramiko.SSHException, OSError, EOFError) as exc:
-        raise SshError(f"server {target.server}: SSH command failed: {_one_line(exc)}") from None
+        raise SshError(f"server {target.server}: SSH command failed: {one_line(exc)}") from None
     finally:
         status = channel.exit_status if channel.exit_status_ready() else None
         channel.close()
@@ -305,7 +305,7 @@ def _reboot_on(
             channel.exec_command(command)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise SshError(
-                f"server {target.server}: could not send `{command}` over SSH: {_one_line(exc)}"
+                f"server {target.server}: could not send `{command}` over SSH: {one_line(exc)}"
             ) from None
         # Sent: from here a dropped connection is the reboot taking the host down.
         deadline = time.monotonic() + timeout_s
@@ -321,7 +321,7 @@ def _reboot_on(
             if status in (0, -1):  # -1: the channel closed without a status
                 return
             stderr = channel.recv_stderr(4096) if channel.recv_stderr_ready() else b""
-            detail = _one_line(stderr.decode(errors="replace"))
+            detail = one_line(stderr.decode(errors="replace"))
             raise SshError(
                 f"server {target.server}: `{command}` exited with status {status}"
                 + (f": {detail}" if detail else "")
@@ -330,7 +330,3 @@ def _reboot_on(
             return
     finally:
         transport.close()
-
-
-def _one_line(exc: BaseException | str) -> str:
-    return " ".join(str(exc).split())[:300]

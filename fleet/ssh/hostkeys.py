@@ -102,7 +102,7 @@ def start_transport(server: str, address: str, port: int, timeout_s: float) -> p
     try:
         transport.start_client(timeout=timeout_s)
     except (paramiko.SSHException, OSError, EOFError) as exc:
-        problem = _one_line(exc)
+        problem = one_line(exc)
     else:
         # start_client returns quietly when its timeout passes mid-handshake.
         if transport.host_key is None or not transport.is_active():
@@ -125,5 +125,6 @@ def scan(address: str, port: int, timeout_s: float, *, server: str | None = None
         transport.close()
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException | str) -> str:
+    """An error's text on one line, bounded (for the one-line SshErrors)."""
     return " ".join(str(exc).split())[:300]
