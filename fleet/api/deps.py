@@ -79,6 +79,7 @@ def require(role: Role) -> Callable[[Principal], Awaitable[Principal]]:
 
 
 Viewer = Annotated[Principal, Depends(require(Role.VIEWER))]
+Admin = Annotated[Principal, Depends(require(Role.ADMIN))]
 Operator = Annotated[Principal, Depends(require(Role.OPERATOR))]
 RouterCaller = Annotated[Principal, Depends(require(Role.ROUTER))]
 AgentCaller = Annotated[Principal, Depends(require(Role.AGENT))]

@@ -9,22 +9,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from fleet.api.deps import (
+    Admin,
     EngineDep,
     Operator,
     PagingDep,
     SessionDep,
     SettingsDep,
-    require,
 )
 from fleet.api.responses import Page
-from fleet.auth import Principal
 from fleet.inventory.servers import get_server
-from fleet.models import NAME_PATTERN, Role, ServerPublic
+from fleet.models import NAME_PATTERN, ServerPublic
 from fleet.ssh.diagnose import (
     DiagnoseResult,
     DiagnosticBundlePublic,
@@ -36,7 +35,6 @@ from fleet.ssh.trust import trust
 
 router = APIRouter(tags=["ssh"])
 
-Admin = Annotated[Principal, Depends(require(Role.ADMIN))]
 # One request collects while its caller waits: at most this many servers (with FLEET_SSH_WORKERS
 # 8 and FLEET_DIAGNOSE_TIMEOUT_S 180, at worst 8 rounds of 3 minutes); a bigger sweep goes in
 # parts.

@@ -8,20 +8,18 @@ import dataclasses
 from datetime import datetime, timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, status
+from fastapi import APIRouter, Path, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet import auth
-from fleet.api.deps import CurrentUser, PagingDep, SessionDep, SettingsDep, require
+from fleet.api.deps import Admin, CurrentUser, PagingDep, SessionDep, SettingsDep
 from fleet.api.responses import Page
-from fleet.auth import Principal
 from fleet.models import Role
 from fleet.validation import INT32_MAX, OptNumber
 
 router = APIRouter(prefix="/tokens", tags=["tokens"])
 
 # deps.py has no admin alias: tokens are the only admin-only routes so far.
-Admin = Annotated[Principal, Depends(require(Role.ADMIN))]
 # Token ids are 32-bit on Postgres: a larger one is no token (422), not a database error.
 TokenId = Annotated[int, Path(ge=1, le=INT32_MAX)]
 
