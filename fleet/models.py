@@ -330,7 +330,6 @@ class ServerBase(SQLModel):
     standby_w: Number = Field(ge=0, le=MAX_WATTS)
     max_w: Number = Field(gt=0, le=MAX_WATTS)
     pool: Pool = _enum(Pool, default=Pool.WARM, index=True)
-    models_cached: list[str] = _json(list)
     # Where the server's OS answers SSH (not its BMC), and the host key pinned for it: the
     # fingerprint OpenSSH prints (`SHA256:<base64>`), from the inventory or recorded by the
     # explicit `fleetctl servers ssh-trust` (fleet/ssh/). None: no SSH / nothing pinned yet.
@@ -424,6 +423,26 @@ class Server(ServerBase, table=True):
     # The deployment whose replicas this server runs (set by provisioning); the agent's
     # heartbeat is answered with it as the server's assignment.
     deployment_id: int | None = Field(default=None, foreign_key="deployment.id", index=True)
+    # The model version it serves (docs/weights.md): its deployment's, or the canary's while a
+    # rollout moves servers between the two (fleet/rollout/). None: its deployment's current.
+    model_version_id: int | None = Field(default=None, index=True)
+    # The agent's weights cache as of its last heartbeat (fleet_core.wire.CacheReport):
+    # placement prefers spares holding the version, pre-staging keeps K of them.
+    cache_entries: list[dict[str, Any]] = _json(list)
+    cache_budget_bytes: int | None = Field(default=None, sa_type=sa.BigInteger)
+    cache_used_bytes: int | None = Field(default=None, sa_type=sa.BigInteger)
+    cache_free_bytes: int | None = Field(default=None, sa_type=sa.BigInteger)
+    cache_reported_at: datetime | None = _ts(default=None)
+    # Pre-staging (fleet/provisioning/staging.py): when a warm spare was powered on to fetch
+    # a version, and which one; cleared when it is back off with the version verified.
+    stage_version_id: int | None = Field(default=None)
+    stage_started_at: datetime | None = _ts(default=None)
+    # Boot-to-ready per cache state: whether the current boot began with its version cached,
+    # and the latest figure of each kind (the autoscaler's look-ahead and the calendar's lead
+    # use the one for the spare they would boot).
+    boot_cache_hit: bool | None = None
+    boot_to_ready_cached_s: float | None = None
+    boot_to_ready_uncached_s: float | None = None
     created_at: datetime = _ts(default_factory=utcnow)
     updated_at: datetime = _ts(default_factory=utcnow)
 
@@ -447,7 +466,6 @@ class ServerCreate(ServerBase):
 
     rack: str
     bmc_password: SecretStr | None = None
-    models_cached: ModelUris = Field(default_factory=list)
 
 
 def _null_only_where_nullable(schema: dict[str, Any], cls: type) -> None:
@@ -513,7 +531,6 @@ class ServerUpdate(_Update):
     bmc_system_id: str | None = Field(default=None, max_length=255)
     # StrictBool: a JSON `0` or `"yes"` is refused (422), as the schema says, not read as false.
     bmc_plain_http: StrictBool | None = None
-    models_cached: ModelUris | None = None
     ssh_address: str | None = Field(default=None, max_length=255, min_length=1)
     ssh_port: OptInt = Field(default=None, ge=1, le=65535)
     ssh_host_key: str | None = Field(
@@ -548,6 +565,14 @@ class ServerPublic(ServerBase):
     reboot_count: int
     boot_to_ready_s: float | None
     load_s: float | None
+    boot_to_ready_cached_s: float | None = None
+    boot_to_ready_uncached_s: float | None = None
+    model_version: str | None = None  # "<model>@<version>" it serves (fleet/catalog/)
+    cache_entries: list[dict[str, Any]] = []
+    cache_budget_bytes: int | None = None
+    cache_used_bytes: int | None = None
+    cache_free_bytes: int | None = None
+    cache_reported_at: datetime | None = None
     drawn_w: float | None
     drawn_source: str | None
     drawn_at: datetime | None
@@ -605,6 +630,52 @@ class GpuModelSpec(SQLModel, table=True):
 
 
 # ---------------------------------------------------------------------------------------------
+# Model versions (fleet/catalog/; docs/weights.md)
+
+
+class ArtifactFormat(StrEnum):
+    HF_SAFETENSORS = "hf-safetensors"  # a file of a Hugging Face checkpoint (weights, config)
+    TRTLLM_ENGINE = "trtllm-engine"  # a TensorRT-LLM engine file, built for a GPU model and TP
+    EXTERNAL = "external"  # delivered outside Fleet (before model versions): never fetched
+
+
+class ModelVersion(SQLModel, table=True):
+    """One version of a model: the files in `model_artifact`. Immutable once created (a new
+    set of files is a new version); deleted only when no deployment references it."""
+
+    __tablename__ = "model_version"
+    __table_args__ = (sa.UniqueConstraint("model", "version"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    model: str = Field(max_length=63, index=True)
+    version: str = Field(max_length=63)
+    description: str = Field(default="", max_length=500)
+    # sha256 over its artifacts' names and digests (fleet/catalog/): the probe's reference key.
+    digest: str = Field(max_length=71)
+    size_bytes: int = Field(default=0, sa_type=sa.BigInteger)
+    created_by: str = Field(max_length=100)
+    created_at: datetime = _ts(default_factory=utcnow)
+
+
+class ModelArtifact(SQLModel, table=True):
+    """One file of a model version. `gpu_model`/`tp_size` set: only servers of that GPU model
+    serving at that TP size fetch it (a TensorRT-LLM engine is built for both)."""
+
+    __tablename__ = "model_artifact"
+    __table_args__ = (sa.UniqueConstraint("version_id", "name", "gpu_model", "tp_size"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    version_id: int = Field(foreign_key="model_version.id", index=True)
+    name: str = Field(max_length=255)
+    uri: str = Field(max_length=1000)
+    sha256: str | None = Field(default=None, max_length=64)
+    size_bytes: int | None = Field(default=None, sa_type=sa.BigInteger)
+    format: ArtifactFormat = _enum(ArtifactFormat, default=ArtifactFormat.HF_SAFETENSORS)
+    gpu_model: str | None = Field(default=None, max_length=32)
+    tp_size: int | None = Field(default=None)
+
+
+# ---------------------------------------------------------------------------------------------
 # Deployments
 
 
@@ -620,6 +691,10 @@ class DeploymentBase(SQLModel):
     sla_p95_latency_ms: Number = Field(ge=1, le=MAX_SLA_MS)
     sla_ttft_ms: Number = Field(ge=1, le=MAX_SLA_MS)
     disruption_budget: Int = Field(default=1, ge=1, le=MAX_REPLICAS)
+    # Warm spares per allowed GPU model that hold the version in their cache (pre-staged).
+    cached_spares: Int = Field(
+        default=0, ge=0, le=MAX_REPLICAS, sa_column_kwargs={"server_default": "0"}
+    )
 
 
 def deployment_rule_problems(
@@ -726,6 +801,15 @@ class Deployment(DeploymentBase, table=True):
     floor_servers: int = Field(default=0, ge=0, sa_column_kwargs={"server_default": "0"})
     last_scale_up_at: datetime | None = _ts(default=None)
     last_scale_down_at: datetime | None = _ts(default=None)
+    # The model version it serves (fleet/catalog/; docs/weights.md). `model_uri` and
+    # `model_checksum` above follow it: the served model's name (the weights' URI for an
+    # external version) and the version's digest, which keys the probe's reference.
+    model_version_id: int | None = Field(default=None, foreign_key="model_version.id")
+    # A rollout (fleet/rollout/): the version being rolled out, the share of requests routers
+    # send it, and the plan and its progress (steps, step, status, figures of the last analysis).
+    canary_version_id: int | None = Field(default=None, foreign_key="model_version.id")
+    canary_weight: float = Field(default=0.0, ge=0, le=1, sa_column_kwargs={"server_default": "0"})
+    rollout: dict[str, Any] = _json(dict)
     created_at: datetime = _ts(default_factory=utcnow)
     updated_at: datetime = _ts(default_factory=utcnow)
 
@@ -757,6 +841,7 @@ class DeploymentUpdate(_Update):
     sla_p95_latency_ms: OptNumber = Field(default=None, ge=1, le=MAX_SLA_MS)
     sla_ttft_ms: OptNumber = Field(default=None, ge=1, le=MAX_SLA_MS)
     disruption_budget: OptInt = Field(default=None, ge=1, le=MAX_REPLICAS)
+    cached_spares: OptInt = Field(default=None, ge=0, le=MAX_REPLICAS)
 
 
 class DeploymentPublic(DeploymentBase):
@@ -765,6 +850,10 @@ class DeploymentPublic(DeploymentBase):
     target_servers: int = 0
     floor_servers: int = 0
     pinned_replicas: int | None = None
+    model_version: str | None = None  # "<model>@<version>"
+    canary_version: str | None = None
+    canary_weight: float = 0.0
+    rollout: dict[str, Any] = {}
     created_at: datetime
     updated_at: datetime
 

@@ -171,6 +171,20 @@ class Settings(BaseSettings):
         default="Fleet inference-quality probe: list the first five prime numbers.", max_length=2000
     )
     probe_max_tokens: int = Field(default=16, ge=1, le=256)
+    # Pre-staging (fleet/provisioning/staging.py; docs/weights.md): a warm spare powered on to
+    # fetch a version into its cache is given this long (power-on to verified) before it is
+    # powered off again and the failure recorded.
+    stage_deadline_s: float = Field(default=3600.0, gt=0)
+    # Rollouts (fleet/rollout/; docs/weights.md): a tick of the leader; each step's analysis
+    # window and the least canary requests a window needs before it can pass; the canary fails
+    # a step when its error rate exceeds the stable version's by more than
+    # `rollout_max_error_increase` (absolute), or its latency p95 or TTFT p95 exceeds the
+    # stable version's × `rollout_max_latency_ratio`, or a probe of it mismatches.
+    rollout_interval_s: float = Field(default=5.0, gt=0)
+    rollout_step_s: float = Field(default=300.0, gt=0)
+    rollout_min_requests: int = Field(default=20, ge=1)
+    rollout_max_error_increase: float = Field(default=0.02, ge=0, le=1)
+    rollout_max_latency_ratio: float = Field(default=1.5, ge=1)
     # Agents heartbeat this often (the fleet tells them in every reply).
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
     # The agent URL and replica URLs an agent reports must name the address its request came

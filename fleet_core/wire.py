@@ -23,6 +23,7 @@ from fleet_core.fault_policy import RepairAction, Verdict
 
 MAX_GPUS = 64
 MAX_REASONS = 256
+MAX_CACHE_ENTRIES = 256
 REGISTER_PATH = "/api/v1/agent/register"
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
 
@@ -107,6 +108,28 @@ class ReplicaStatus(_Strict):
     ttft_p95_s: float | None = Field(default=None, ge=0)
     e2e_p50_s: float | None = Field(default=None, ge=0)
     e2e_p95_s: float | None = Field(default=None, ge=0)
+    version: str | None = Field(default=None, max_length=130)  # the model version it serves
+
+
+class CachedVersion(_Strict):
+    """One model version in the agent's weights cache (fleet_agent/weights/cache.py)."""
+
+    key: str = Field(max_length=130)  # "<model>@<version>" (fleet_core.weights.version_key)
+    state: Literal["ready", "fetching", "failed"]
+    bytes: int = Field(default=0, ge=0)  # on disk now (verified files, plus partial ones)
+    total_bytes: int | None = Field(default=None, ge=0)  # the version's artifacts, summed
+    verified_at: datetime | None = None  # every artifact's sha256 checked (state "ready")
+    last_used_at: datetime | None = None  # an engine last started on it (LRU order)
+    error: str | None = Field(default=None, max_length=500)  # why "failed": one line
+
+
+class CacheReport(_Strict):
+    """The agent's weights cache as of this heartbeat: what it holds and the room left."""
+
+    budget_bytes: int = Field(ge=0)
+    used_bytes: int = Field(ge=0)
+    free_bytes: int | None = Field(default=None, ge=0)  # the cache's file system, free
+    entries: list[CachedVersion] = Field(default_factory=list, max_length=MAX_CACHE_ENTRIES)
 
 
 class Heartbeat(_Strict):
@@ -119,21 +142,50 @@ class Heartbeat(_Strict):
     draining: bool = False
     ready: bool | None = None  # the agent's /readyz: GPUs fine, not draining, replicas ready
     replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=MAX_GPUS)
+    cache: CacheReport | None = None  # None: an agent without a weights cache (older ones)
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
 
-class Assignment(BaseModel):
-    """What the server should run: nothing, a deployment's replicas, or drain."""
+class ArtifactRef(BaseModel):
+    """One file of a model version, as the agent fetches it into its cache."""
 
-    kind: Literal["none", "serve", "drain"]
+    name: str  # its path inside the version's directory ("model-00001-of-00002.safetensors")
+    uri: str  # file://, http(s):// or s3://
+    sha256: str | None = None  # 64 lowercase hex digits; None only for an external version
+    size_bytes: int | None = None
+    format: str = "hf-safetensors"
+
+
+class ModelRef(BaseModel):
+    """A model version as the agent needs it: where its files come from. `external`: the
+    weights are delivered outside Fleet (deployments from before model versions): nothing is
+    fetched, the engine reads model_root/<deployment>/<basename of the one artifact's URI>."""
+
+    model: str
+    version: str
+    key: str  # "<model>@<version>": the cache's name for it
+    external: bool = False
+    artifacts: list[ArtifactRef] = Field(default_factory=list)
+
+
+class Assignment(BaseModel):
+    """What the server should run: nothing, a deployment's replicas, drain, or stage (fetch
+    the versions in `stage` into the cache and start no engine: a warm spare pre-staged)."""
+
+    kind: Literal["none", "serve", "drain", "stage"]
     deployment: str | None = None
-    model_uri: str | None = None
-    model_checksum: str | None = None
+    model_uri: str | None = None  # the served model's reference (legacy: its weights' URI)
+    model_checksum: str | None = None  # the version's digest (the probe's reference key)
+    model: ModelRef | None = None  # the version to serve (kind "serve")
     engine_params: dict[str, Any] = Field(default_factory=dict)
     gpus_per_replica: int | None = None
     replicas: int = 0
+    # Versions to fetch now (kind "stage", or ahead of a rollout) and versions the cache must
+    # not evict (in use or being rolled out anywhere in the deployment: their keys).
+    stage: list[ModelRef] = Field(default_factory=list)
+    keep: list[str] = Field(default_factory=list)
 
 
 class Reply(BaseModel):

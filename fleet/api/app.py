@@ -27,8 +27,10 @@ from fleet.api.routes import (
     deployments,
     health,
     inventory,
+    models,
     power,
     provisioning,
+    rollouts,
     routing,
     schedules,
     servers,
@@ -180,6 +182,8 @@ def create_app(
         routing,
         tokens,
         ssh,
+        models,
+        rollouts,
     ):
         app.include_router(module.router, prefix="/api/v1", responses=ERROR_RESPONSES)
     # The schema states what the edge refuses, and the inventory file's shape (openapi.py).

@@ -26,8 +26,10 @@ from fleet.cli import (
     events,
     inventory,
     lab,
+    models,
     prometheus,
     racks,
+    rollouts,
     router,
     schedule,
     serve,
@@ -58,6 +60,8 @@ app.add_typer(inventory.inventory_app, name="inventory")
 app.add_typer(servers.servers_app, name="servers")
 app.add_typer(racks.racks_app, name="racks")
 app.add_typer(deployments.deployments_app, name="deployments")
+rollouts.register(deployments.deployments_app)
+app.add_typer(models.models_app, name="models")
 app.add_typer(agent.agent_app, name="agent")
 app.add_typer(router.router_app, name="router")
 app.add_typer(spares.spares_app, name="spares")
