@@ -121,6 +121,10 @@ class CachedVersion(_Strict):
     verified_at: datetime | None = None  # every artifact's sha256 checked (state "ready")
     last_used_at: datetime | None = None  # an engine last started on it (LRU order)
     error: str | None = Field(default=None, max_length=500)  # why "failed": one line
+    # Since the agent started: fetches of this version that resumed after a cut, and files
+    # whose sha256 did not match (discarded and fetched again): the fleet records each rise.
+    resumes: int = Field(default=0, ge=0)
+    checksum_failures: int = Field(default=0, ge=0)
 
 
 class CacheReport(_Strict):
