@@ -6,6 +6,14 @@ into `Signals` (fleet/autoscaler/signals.py), keeps a sliding history per deploy
 data, which is the safe direction), asks `decide`, and writes the new `target_servers`, which
 the provisioner then makes true. Every change, and every change of rule while holding, is a
 `ScalingDecision` row with its inputs, and an Event.
+
+The look-ahead projects over the boot-to-ready of the spare placement would boot next
+(`next_boot`): placement's own choice (fleet/provisioning/placement.py, over the warm spares
+and the racks' headroom as they are now), at the fleet's p90 for its GPU model and cache state
+— a spare holding the deployment's version loads from local disk and serves sooner than one
+that must fetch it. The decision's inputs say which spare and why (`next_spare`,
+`boot_basis`), and a scale-up lists the spares placement would boot for it (`placement`), so
+`fleetctl autoscaler explain` shows them.
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ from fleet.autoscaler.signals import DeploymentState, PolicyConfig, RouterLoad, 
 from fleet.events import deployment_event
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, ScalingDecision, Server, utcnow
+from fleet.provisioning import placement
 from fleet.provisioning.autopilot import get_autopilot
-from fleet.provisioning.boot_times import measured_boots, p90
+from fleet.provisioning.boot_times import boot_figures, measured_boots, p90
+from fleet.provisioning.boots import rack_rooms, want_for, warm_spares
 from fleet.registry.routing_table import router_loads
 from fleet.settings import Settings
 
@@ -90,6 +100,7 @@ def autoscale_once(
         if get_autopilot(session).paused:
             return []
         boots = measured_boots(session)  # once a tick, for every deployment
+        world = Spares.read(session, settings)
         routers = fresh_router_loads(session, settings, at)
         for deployment in list(session.exec(select(Deployment))):
             servers = list(
@@ -97,9 +108,18 @@ def autoscale_once(
             )
             signals = observe(servers, routers.get(deployment.name), settings, at)
             window = history.add(deployment.name, signals)
-            state = _state(session, deployment, servers, settings, boots)
+            boot = next_boot(session, deployment, world, settings, boots)
+            state = _state(session, deployment, servers, settings, boot.seconds)
             decision = decide(state, window, epoch, config)
-            row = _record(session, deployment, decision, at)
+            extra: dict[str, Any] = {"boot_basis": boot.basis, "next_spare": boot.spare}
+            if decision.target > deployment.target_servers:
+                extra["placement"] = world.choose(
+                    session, deployment, decision.target - deployment.target_servers
+                )
+            note = None
+            if extra.get("placement"):  # a scale-up: which spare boots first, and why
+                note = f"placement: {extra['placement'][0]}"
+            row = _record(session, deployment, decision, at, extra, note)
             if row is not None:
                 recorded.append(row)
         session.commit()
@@ -127,22 +147,87 @@ def observe(
     return aggregate(fresh, epoch, load) if fresh else Signals(epoch, None, None, None, None)
 
 
+@dataclass(frozen=True)
+class Spares:
+    """The warm spares, the racks' headroom and the measured boots, read once a tick: what
+    placement would choose from, for every deployment."""
+
+    spares: list[placement.Spare]
+    rooms: dict[str, placement.RackRoom]
+    figures: placement.BootFigures
+    default_s: float
+
+    @classmethod
+    def read(cls, session: Session, settings: Settings) -> Spares:
+        return cls(
+            warm_spares(session, settings=settings),
+            rack_rooms(session, settings=settings),
+            boot_figures(session),
+            settings.boot_estimate_s,
+        )
+
+    def choose(self, session: Session, deployment: Deployment, servers: int) -> list[str]:
+        """Placement's choice for `servers` more servers now, one line each on why (and,
+        short, why not)."""
+        want = want_for(session, deployment, servers)
+        choice = placement.choose_spares(self.spares, self.rooms, want)
+        by_name = {s.name: s for s in self.spares}
+        lines = []
+        for name in choice.chosen:
+            spare = by_name[name]
+            boot = placement.expected_boot_s(
+                spare.gpu_model, placement.holds(spare, want), self.figures, self.default_s
+            )
+            lines.append(placement.why(spare, want, boot=boot))
+        return lines + [f"short {choice.short}: {r}" for r in choice.reasons]
+
+
+@dataclass(frozen=True)
+class NextBoot:
+    seconds: float  # the look-ahead's horizon
+    basis: str  # what it stands on, for the decision's inputs
+    spare: str | None  # placement's next spare and why (None: none would boot now)
+
+
+def next_boot(
+    session: Session,
+    deployment: Deployment,
+    world: Spares,
+    settings: Settings,
+    boots: list[tuple[str, float]],
+) -> NextBoot:
+    """The boot-to-ready of the spare placement would boot next for the deployment: the p90
+    for its GPU model and cache state. With no spare to boot, the p90 of every measured boot of
+    the GPU models it allows (the configured estimate when none was measured)."""
+    want = want_for(session, deployment, 1)
+    choice = placement.choose_spares(world.spares, world.rooms, want)
+    if choice.chosen:
+        spare = next(s for s in world.spares if s.name == choice.chosen[0])
+        seconds, basis = placement.expected_boot_s(
+            spare.gpu_model, placement.holds(spare, want), world.figures, world.default_s
+        )
+        return NextBoot(seconds, f"{spare.name}: {basis}", placement.why(spare, want))
+    values = [
+        seconds
+        for model, seconds in boots
+        if not deployment.gpu_models or model in deployment.gpu_models
+    ]
+    measured = p90(values)
+    if measured is None:
+        return NextBoot(settings.boot_estimate_s, "no spare to boot, none measured: default", None)
+    return NextBoot(measured, f"no spare to boot: p90 of {len(values)} measured boots", None)
+
+
 def _state(
     session: Session,
     deployment: Deployment,
     servers: list[Server],
     settings: Settings,
-    boots: list[tuple[str, float]],
+    boot_s: float,
 ) -> DeploymentState:
     gpus = gpus_per_server(session, deployment, servers)
     per_server = replicas_per_server(deployment, gpus)
-    boot_p90 = p90(
-        seconds
-        for model, seconds in boots
-        if not deployment.gpu_models or model in deployment.gpu_models
-    )
-    if boot_p90 is None:
-        boot_p90 = settings.boot_estimate_s
+    boot_p90 = boot_s
     pinned = (
         servers_for_replicas(deployment.pinned_replicas, per_server)
         if deployment.pinned_replicas is not None
@@ -184,7 +269,12 @@ def _typical_gpus(session: Session, deployment: Deployment) -> int:
 
 
 def _record(
-    session: Session, deployment: Deployment, decision: Any, at: datetime
+    session: Session,
+    deployment: Deployment,
+    decision: Any,
+    at: datetime,
+    extra: dict[str, Any] | None = None,
+    note: str | None = None,
 ) -> ScalingDecision | None:
     last = session.exec(
         select(ScalingDecision)
@@ -201,8 +291,8 @@ def _record(
         rule=decision.rule,
         target_before=deployment.target_servers,
         target_after=decision.target,
-        reason=decision.reason[:1000],
-        inputs=dict(decision.inputs),
+        reason=(f"{decision.reason}; {note}" if note else decision.reason)[:1000],
+        inputs={**dict(decision.inputs), **(extra or {})},
     )
     session.add(row)
     if changed:
@@ -219,7 +309,7 @@ def _record(
                 at,
                 ACTOR,
                 "deployment.scaled",
-                f"target {deployment.target_servers} → {decision.target}: {decision.reason}",
+                f"target {deployment.target_servers} → {decision.target}: {row.reason}",
                 {"rule": decision.rule, "delta": decision.delta},
             )
         )

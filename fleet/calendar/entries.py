@@ -42,7 +42,7 @@ def public(
     deployment = session.get(Deployment, entry.deployment_id)
     assert deployment is not None
     at = now or utcnow()
-    lead = lead_for(session, deployment, settings)
+    lead = lead_for(session, deployment, settings, min_replicas=entry.min_replicas)
     nxt = windows(spec_of(entry), at, lead.seconds, 1)
     active = entry.active_until is not None and entry.active_until > at
     return {
@@ -157,7 +157,7 @@ def preview(
     would use today (the deployment's measured p90 boot-to-ready)."""
     deployment = _deployment(session, spec.deployment)
     checked = checked_spec(spec)
-    lead: Lead = lead_for(session, deployment, settings)
+    lead: Lead = lead_for(session, deployment, settings, min_replicas=spec.min_replicas)
     rows = windows(checked, start or utcnow(), lead.seconds, min(count, MAX_PREVIEW))
     return {
         "deployment": deployment.name,

@@ -5,7 +5,9 @@ its end (the end expression's next firing after T, or T + a duration). While a w
 the entry's minimum is a floor under the autoscaler's target for its deployment.
 
 Bare metal needs 10–20 minutes from power-on to serving (docs/hardware.md), so a window *fires* one
-lead time early: the p90 of the measured boot-to-ready times of the GPU models it may boot (a
+lead time early: the slowest expected boot-to-ready of the spares placement would boot for it
+(the p90 for each one's GPU model and cache state: a spare holding the version serves sooner),
+or, where placement cannot place them all now, of the GPU models it may boot (`lead_time`: a
 configured default for a model never measured). The service ticks every `tick_s`; an entry
 fires at the first tick at or after T − lead − tick, so its boots start in
 [T − lead − tick, T − lead) and its capacity serves by T.
@@ -146,6 +148,16 @@ def lead_time(models: list[str], measured: dict[str, tuple[float, int]], default
         if seconds > worst[0]:
             worst = (seconds, basis)
     return Lead(worst[0], worst[1])
+
+
+def slowest(leads: Sequence[Lead]) -> Lead | None:
+    """The longest of the leads (the capacity serves by T only once the slowest boot has), the
+    earlier one on a tie; None when there are none."""
+    worst: Lead | None = None
+    for lead in leads:
+        if worst is None or lead.seconds > worst.seconds:
+            worst = lead
+    return worst
 
 
 def boot_models(allowed: Sequence[str], warm_models: Iterable[str]) -> list[str]:

@@ -4,7 +4,9 @@ Each tick (the leader's "calendar" loop, every `calendar_interval_s`):
 
 1. closes the windows that ended (`schedule.ended`);
 2. asks `due` (fleet/calendar/plan.py) for each entry, with the lead of the spares it would
-   boot, and claims what is due with a conditional UPDATE on `fired_for` (the window's start):
+   boot (`lead_for`: placement's choice for the servers its floor still needs, each at the
+   p90 boot-to-ready for its GPU model and cache state), and claims what is due with a
+   conditional UPDATE on `fired_for` (the window's start):
    of two processes that both think they lead, or a leader restarted mid-window, only one
    ever fires a window. A window that closed before anyone could fire it is `missed`;
 3. sets each deployment's `floor_servers` (the largest floor of its open windows), and for a
@@ -29,7 +31,12 @@ from sqlalchemy import or_, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet.autoscaler.service import gpus_per_server, replicas_per_server, servers_for_replicas
+from fleet.autoscaler.service import (
+    Spares,
+    gpus_per_server,
+    replicas_per_server,
+    servers_for_replicas,
+)
 from fleet.calendar.cron import CronError, parse, zone
 from fleet.calendar.plan import (
     Due,
@@ -42,12 +49,15 @@ from fleet.calendar.plan import (
     minutes,
     open_until,
     raised_target,
+    slowest,
 )
 from fleet.events import deployment_event
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, ScalingDecision, ScheduleEntry, Server, utcnow
+from fleet.provisioning import placement
 from fleet.provisioning.autopilot import get_autopilot
 from fleet.provisioning.boot_times import measured_boots, p90_by_model
+from fleet.provisioning.boots import ACTIVE, want_for
 from fleet.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -75,12 +85,47 @@ def candidate_models(deployment: Deployment, warm_models: list[str]) -> list[str
 
 
 def lead_for(
-    session: Session, deployment: Deployment, settings: Settings, *, warm: list[str] | None = None
+    session: Session,
+    deployment: Deployment,
+    settings: Settings,
+    *,
+    min_replicas: int = 0,
+    warm: list[str] | None = None,
+    measured: dict[str, tuple[float, int]] | None = None,
+    world: Spares | None = None,
 ) -> Lead:
+    """The lead of a window that needs `min_replicas` of the deployment: the slowest expected
+    boot of the spares placement would boot for the servers still missing (at least one), each
+    at the p90 for its GPU model and cache state. Where placement cannot place them all now
+    (power, spares), the slowest GPU model it may boot counts too (`lead_time`)."""
     if warm is None:
         warm = _warm_models(session)
-    measured = p90_by_model(measured_boots(session))
-    return lead_time(candidate_models(deployment, warm), measured, settings.boot_estimate_s)
+    if measured is None:
+        measured = p90_by_model(measured_boots(session))
+    if world is None:
+        world = Spares.read(session, settings)
+    models = lead_time(candidate_models(deployment, warm), measured, settings.boot_estimate_s)
+    servers = list(session.exec(select(Server).where(Server.deployment_id == deployment.id)))
+    per_server = replicas_per_server(deployment, gpus_per_server(session, deployment, servers))
+    have = sum(s.state in ACTIVE for s in servers)
+    missing = max(1, floor_servers(min_replicas, per_server) - have)
+    want = want_for(session, deployment, missing)
+    choice = placement.choose_spares(world.spares, world.rooms, want)
+    by_name = {s.name: s for s in world.spares}
+    boots = []
+    for name in choice.chosen:
+        spare = by_name[name]
+        seconds, basis = placement.expected_boot_s(
+            spare.gpu_model, placement.holds(spare, want), world.figures, world.default_s
+        )
+        boots.append(Lead(seconds, f"{name}: {basis}"))
+    lead = slowest(boots)
+    if lead is None:
+        return models
+    if choice.short:
+        # The model-wide figure first: on a tie it says more than one spare's.
+        return slowest([models, lead]) or models
+    return lead
 
 
 def calendar_once(
@@ -98,6 +143,7 @@ def calendar_once(
             return []
         measured = p90_by_model(measured_boots(session))
         warm = _warm_models(session)
+        world = Spares.read(session, settings)
         for entry in entries:
             deployment = deployments[entry.deployment_id]
             try:
@@ -107,7 +153,15 @@ def calendar_once(
                 continue
             if entry.active_until is not None and entry.active_until <= at:
                 _close(session, entry, deployment, at)
-            lead = lead_time(candidate_models(deployment, warm), measured, settings.boot_estimate_s)
+            lead = lead_for(
+                session,
+                deployment,
+                settings,
+                min_replicas=entry.min_replicas,
+                warm=warm,
+                measured=measured,
+                world=world,
+            )
             found = due(
                 spec,
                 entry.fired_for,

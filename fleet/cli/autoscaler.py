@@ -74,7 +74,9 @@ def autoscaler_history(
 def autoscaler_explain(
     deployment: str, url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
 ) -> None:
-    """The last decision for the deployment: the rule, why, and every input it used."""
+    """The last decision for the deployment: the rule, why, the spare placement would boot
+    next and its boot figure (cached or not: what the look-ahead counted on), the spares a
+    scale-up asked for, and every input it used."""
     body = api_client(url, token).get(f"/api/v1/autoscaler/{deployment}/decisions", limit=1)
     if not body["results"]:
         raise CliError(f"no decision for {deployment} yet (the autoscaler runs in the leader)")
@@ -87,4 +89,16 @@ def autoscaler_explain(
         f"{last['target_after']}"
     )
     typer.echo(f"why: {printable(last['reason'], one_line=True)}")
-    show(last["inputs"], output, title="inputs")
+    inputs = dict(last["inputs"])
+    chosen = inputs.pop("placement", None)
+    next_spare = inputs.pop("next_spare", None)
+    basis = inputs.pop("boot_basis", None)
+    if next_spare:
+        typer.echo(f"next spare: {printable(str(next_spare), one_line=True)}")
+    if basis:
+        typer.echo(f"boot figure: {printable(str(basis), one_line=True)}")
+    if isinstance(chosen, list) and chosen:
+        typer.echo("placement for this scale-up:")
+        for line in chosen:
+            typer.echo(f"  {printable(str(line), one_line=True)}")
+    show(inputs, output, title="inputs")

@@ -41,7 +41,10 @@ _TABLE: dict[ServerState, frozenset[ServerState]] = {
     S.ENROLLED: frozenset({S.WARM, S.BOOTING}),
     S.WARM: frozenset({S.BOOTING}),
     S.BOOTING: frozenset({S.LOADING, S.FAILED}),
-    S.LOADING: frozenset({S.SERVING, S.FAILED}),
+    # Pre-staging (fleet/provisioning/staging.py): a warm spare powered on only to fetch a
+    # version into its cache loads no replica; once the version is verified (or its fetch
+    # failed, or ran past `stage_deadline_s`) it goes straight back to the warm pool.
+    S.LOADING: frozenset({S.SERVING, S.FAILED, S.POWERING_OFF}),
     S.SERVING: frozenset({S.DRAINING}),
     S.DRAINING: frozenset({S.DRAINED}),
     S.DRAINED: frozenset({S.POWERING_OFF, S.BOOTING, S.QUARANTINED}),

@@ -3,17 +3,23 @@
 `boot_spares` picks warm spares (fleet/provisioning/placement.py) and moves them to `booting`
 under one placement lock, so the rack-headroom check and the commitment are atomic across
 processes; the tick (fleet/provisioning/tick.py) then powers them on. An operator's
-`spares boot` and the tick's own replacements both come here.
+`spares boot` and the tick's own replacements both come here. Placement prefers a spare whose
+agent last reported the deployment's version `ready` in its weights cache; the boot's
+`server.transition` Event says which spare and why ("version llama@v2 cached, …"), and
+`start_boot` records whether the boot began with the version cached (`boot_cache_hit`), so
+its boot-to-ready is measured per cache state (fleet/provisioning/boot_times.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from fleet.catalog.refs import holds_ready, key_for_id, server_version_id
 from fleet.errors import FleetError, NotFoundError
 from fleet.inventory.servers import NO_PASSWORD
 from fleet.lifecycle import transitions as lifecycle
@@ -26,6 +32,7 @@ from fleet.power.gate import PLACEMENT_LOCK as PLACEMENT_LOCK
 from fleet.power.gate import placement_lock as placement_lock
 from fleet.power.racks import commit_watts, rack_views
 from fleet.provisioning import placement
+from fleet.provisioning.boot_times import boot_figures
 from fleet.settings import Settings
 
 S = ServerState
@@ -45,9 +52,30 @@ class BootResult:
     reasons: tuple[str, ...]
 
 
-def _spares(
-    session: Session, deployment: Deployment, *, settings: Settings | None = None
-) -> list[placement.Spare]:
+def ready_keys(server: Server) -> tuple[str, ...]:
+    """The version keys its agent last reported verified in its weights cache. A warm spare's
+    report is the one from before it powered off: the disk kept them."""
+    return tuple(
+        str(e["key"])
+        for e in server.cache_entries or ()
+        if isinstance(e, dict) and e.get("state") == "ready" and e.get("key")
+    )
+
+
+def want_for(session: Session, deployment: Deployment, servers: int) -> placement.Want:
+    """What placement is asked for `servers` more servers of the deployment: its version's
+    key is what a spare's cache should hold."""
+    return placement.Want(
+        deployment=deployment.name,
+        model=key_for_id(session, deployment.model_version_id) or "",
+        gpu_models=tuple(deployment.gpu_models),
+        gpus_per_replica=deployment.gpus_per_replica,
+        servers=servers,
+        running_per_rack=_running_per_rack(session, deployment),
+    )
+
+
+def warm_spares(session: Session, *, settings: Settings | None = None) -> list[placement.Spare]:
     """Every warm spare that could be powered on. Its `max_w` is what it commits once on
     (fleet/power/racks.py `commit_watts`): in a `measured` rack its measured draw × margin,
     so placement packs more of them under the same budget."""
@@ -71,8 +99,10 @@ def _spares(
             gpu_count=s.gpu_count,
             standby_w=s.standby_w,
             max_w=commits[s.name],
-            models_cached=tuple(s.models_cached),
+            cached=ready_keys(s),
             boot_to_ready_s=s.boot_to_ready_s,
+            boot_cached_s=s.boot_to_ready_cached_s,
+            boot_uncached_s=s.boot_to_ready_uncached_s,
         )
         for s, rack, site in rows
     ]
@@ -104,34 +134,38 @@ def _running_per_rack(session: Session, deployment: Deployment) -> dict[str, int
 
 
 def boot_spares(
-    engine: Engine, deployment_name: str, count: int, actor: str, *, raise_target: bool
+    engine: Engine,
+    deployment_name: str,
+    count: int,
+    actor: str,
+    *,
+    raise_target: bool,
+    settings: Settings | None = None,
 ) -> BootResult:
     """Pick `count` warm spares for the deployment and move them to `booting`, one atomic
     placement each. `raise_target`: an operator asked for more capacity (the target grows by
     what booted); the tick's own replacements leave the target as it is."""
     if count < 1:
         raise FleetError("count must be at least 1")
+    default_boot_s = (settings or Settings()).boot_estimate_s
     booted: list[str] = []
     reasons: tuple[str, ...] = ()
     for _ in range(count):
         with Session(engine) as session, placement_lock(session):
             deployment = _deployment(session, deployment_name)
-            want = placement.Want(
-                deployment=deployment.name,
-                model_uri=deployment.model_uri,
-                gpu_models=tuple(deployment.gpu_models),
-                gpus_per_replica=deployment.gpus_per_replica,
-                servers=1,
-                running_per_rack=_running_per_rack(session, deployment),
-            )
-            choice = placement.choose_spares(
-                _spares(session, deployment), rack_rooms(session), want
-            )
+            want = want_for(session, deployment, 1)
+            spares = warm_spares(session)
+            choice = placement.choose_spares(spares, rack_rooms(session), want)
             if not choice.chosen:
                 reasons = choice.reasons
                 session.rollback()
                 break
             name = choice.chosen[0]
+            spare = next(s for s in spares if s.name == name)
+            cached = placement.holds(spare, want)
+            boot = placement.expected_boot_s(
+                spare.gpu_model, cached, boot_figures(session), default_boot_s
+            )
             server = session.exec(select(Server).where(Server.name == name)).one()
             start_boot(
                 session,
@@ -139,7 +173,14 @@ def boot_spares(
                 deployment,
                 "power_on",
                 actor,
-                f"scale out {deployment.name}: spare chosen by placement",
+                f"scale out {deployment.name}: spare chosen by placement "
+                f"({placement.why(spare, want, boot=boot, named=False)})",
+                details={
+                    "placement": placement.why(spare, want, boot=boot),
+                    "version": want.model or None,
+                    "version_cached": cached,
+                    "expected_boot_s": round(boot[0], 1),
+                },
             )
             if raise_target:
                 deployment.target_servers += 1
@@ -163,10 +204,15 @@ def start_boot(
     kind: str,
     actor: str,
     reason: str,
+    *,
+    details: dict[str, Any] | None = None,
 ) -> None:
     """`server` → booting for `deployment` (None: no deployment yet), its boot bookkeeping
-    reset; `kind` says how the tick boots it ("power_on", "cycle" or "resume")."""
-    lifecycle.transition(session, server, S.BOOTING, actor, reason, commit=False)
+    reset; `kind` says how the tick boots it ("power_on", "cycle", "resume", or "stage": a
+    warm spare powered on to fetch a version, fleet/provisioning/staging.py). Whether the
+    boot begins with its version ready in its cache is recorded (`boot_cache_hit`; None with
+    no deployment), so that its boot-to-ready counts for that cache state."""
+    lifecycle.transition(session, server, S.BOOTING, actor, reason, details, commit=False)
     now = utcnow()
     server.boot_kind = kind
     server.boot_started_at = now
@@ -176,4 +222,14 @@ def start_boot(
     server.drain_reason = None
     if deployment is not None:
         server.deployment_id = deployment.id
+    server.boot_cache_hit = cache_hit(session, server, deployment)
     session.add(server)
+
+
+def cache_hit(session: Session, server: Server, deployment: Deployment | None) -> bool | None:
+    """Whether `server` holds the version it is about to serve ready in its cache (None: it
+    serves nothing yet)."""
+    if deployment is None:
+        return None
+    key = key_for_id(session, server_version_id(server, deployment))
+    return key is not None and holds_ready(server, key)

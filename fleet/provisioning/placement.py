@@ -19,15 +19,18 @@ Booting spares (`choose_spares`), greedily, one spare at a time:
    trips a breaker and takes every server on it down, so no plan ever exceeds it. A spare in a
    rack with no power figures is never booted (unknown headroom is no headroom).
 3. Among the spares that are eligible and fit, the first by:
-   1. **model already cached** on its local NVMe (`model_uri in models_cached`): loading
-      weights from local disk takes seconds, pulling hundreds of GB over the network minutes;
+   1. **version already cached** on its local NVMe (`want.model in spare.cached`: in the
+      fleet, the deployment's version key "<model>@<version>" among the versions its agent
+      last reported `ready`; in the simulator, its own model names): loading weights from
+      local disk takes seconds, pulling hundreds of GB over the network minutes;
    2. **spread** over failure domains: the rack with the fewest of this deployment's servers
       (already running there, `Want.running_per_rack`, plus those chosen so far in this call),
       then the site with the fewest, then a rack fed from two sides (A and B) before one fed
       from one side (losing that side takes it all down). A rack or site that dies then takes
       the fewest replicas with it;
-   3. **fastest measured boot** (`boot_to_ready_s`, from the last time it booted); a spare
-      never measured comes after every measured one — it is an unknown, not a fast one;
+   3. **fastest measured boot** for the cache state it would boot in (`spare_boot_s`: its
+      last boot-to-ready with the version cached, or without, else its last of any kind); a
+      spare never measured comes after every measured one — it is an unknown, not a fast one;
    4. **most headroom left** in its rack after the boot, keeping slack where it is thin;
    5. **name**, so that the same inputs always give the same plan, whatever their order.
 
@@ -39,6 +42,10 @@ Booting spares (`choose_spares`), greedily, one spare at a time:
 servers could not be placed, and `Choice.reasons` says why, one line per cause, naming the
 racks, the numbers and the GPU models, so that an operator (and the decision record) can act
 on it. No shortfall: no reasons.
+
+`why(spare, want)` is the line a boot's Event and the autoscaler's decision carry for a chosen
+spare ("version llama@v2 cached, …"), and `expected_boot_s` the boot-to-ready the look-ahead
+and the calendar's lead count on for it: the fleet's p90 for its GPU model and cache state.
 
 Releasing servers (`choose_release`, scale-in), greedily, one server at a time: only servers
 of the deployment; the rack with the least headroom first (power is the scarce resource, so
@@ -56,6 +63,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "BootFigures",
     "Choice",
     "RackRoom",
     "Serving",
@@ -63,8 +71,12 @@ __all__ = [
     "Want",
     "choose_release",
     "choose_spares",
+    "expected_boot_s",
     "extra_draw_w",
     "fits",
+    "holds",
+    "spare_boot_s",
+    "why",
 ]
 
 
@@ -79,8 +91,10 @@ class Spare:
     gpu_count: int
     standby_w: float  # drawn now (off)
     max_w: float  # committed once it boots
-    models_cached: tuple[str, ...] = ()  # model URIs on its local NVMe
-    boot_to_ready_s: float | None = None  # measured last time (None: never measured)
+    cached: tuple[str, ...] = ()  # what its local cache holds ready (version keys)
+    boot_to_ready_s: float | None = None  # its last boot, any cache state (None: never)
+    boot_cached_s: float | None = None  # its last boot that began with the version cached
+    boot_uncached_s: float | None = None  # its last boot that had to fetch first
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +112,7 @@ class Want:
     """What a deployment asks for: `servers` more servers able to run its replicas."""
 
     deployment: str
-    model_uri: str
+    model: str  # what a spare's cache must hold to load it from disk (the version key)
     gpu_models: tuple[str, ...]  # allowed models; empty = any
     gpus_per_replica: int
     servers: int  # how many spares to boot
@@ -169,12 +183,13 @@ def choose_spares(spares: Sequence[Spare], racks: Mapping[str, RackRoom], want: 
     def key(s: Spare) -> tuple[bool, int, int, bool, tuple[bool, float], float, str]:
         room = racks[s.rack]
         left = room.headroom_w - (committed.get(s.rack, 0.0) + extra_draw_w(s))
+        boot = spare_boot_s(s, cached=holds(s, want))
         return (
-            want.model_uri not in s.models_cached,
+            not holds(s, want),
             per_rack[s.rack],
             per_site[room.site],
             len(set(room.feed_sides)) < 2,
-            (s.boot_to_ready_s is None, s.boot_to_ready_s or 0.0),
+            (boot is None, boot or 0.0),
             -left,
             s.name,
         )
@@ -198,6 +213,65 @@ def choose_spares(spares: Sequence[Spare], racks: Mapping[str, RackRoom], want: 
         reasons = _shortfall(spares, in_site, model_ok, eligible, racks, want)
         reasons += _power_reasons(candidates, racks, committed, chosen)
     return Choice(tuple(s.name for s in chosen), short, tuple(reasons))
+
+
+def holds(spare: Spare, want: Want) -> bool:
+    """Whether the spare's cache holds what the deployment serves (it loads from local disk)."""
+    return bool(want.model) and want.model in spare.cached
+
+
+def spare_boot_s(spare: Spare, *, cached: bool) -> float | None:
+    """The spare's own last boot-to-ready in the cache state it would boot in; its last boot
+    of any kind when it never booted in that state (a figure from before the cache state was
+    recorded); None when never measured."""
+    own = spare.boot_cached_s if cached else spare.boot_uncached_s
+    return own if own is not None else spare.boot_to_ready_s
+
+
+@dataclass(frozen=True, slots=True)
+class BootFigures:
+    """The fleet's measured boot-to-ready p90s (fleet/provisioning/boot_times.py), each
+    (p90 seconds, boots measured), per (GPU model, cache state): True, the boot began with the
+    version cached; False, it had to fetch first; None, not recorded (boots measured before
+    the cache state was)."""
+
+    p90: Mapping[tuple[str, bool | None], tuple[float, int]] = field(default_factory=dict)
+
+
+def expected_boot_s(
+    gpu_model: str, cached: bool, figures: BootFigures, default_s: float
+) -> tuple[float, str]:
+    """(seconds, basis): how long a boot of a `gpu_model` spare is expected to take to
+    serving, with the version cached or not. The p90 of that model's boots in that cache
+    state; without one, of its boots whose state was not recorded; a cached boot may also
+    count on the uncached figure (slower: the safe side), an uncached one never on the cached
+    figure; `default_s` for the rest. The basis names what it stood on, for a reason."""
+    state = "version cached" if cached else "version not cached"
+    order: tuple[bool | None, ...] = (True, None, False) if cached else (False, None)
+    for key in order:
+        if (gpu_model, key) in figures.p90:
+            seconds, n = figures.p90[(gpu_model, key)]
+            what = {True: "cached boot", False: "uncached boot", None: "boot"}[key]
+            return seconds, f"{gpu_model}, {state}: p90 of {n} {what}{'' if n == 1 else 's'}"
+    return default_s, f"{gpu_model}, {state}: never measured, default"
+
+
+def why(
+    spare: Spare, want: Want, *, boot: tuple[float, str] | None = None, named: bool = True
+) -> str:
+    """One line on a chosen spare for an Event or a decision: its cache state first (the first
+    preference), its rack and GPU model, and the boot it is expected to take (`boot`:
+    `expected_boot_s`'s answer). `named`: the line starts with the spare's name."""
+    if holds(spare, want):
+        cache = f"version {want.model} cached"
+    else:
+        cache = f"version {want.model} not cached: fetches first" if want.model else "no version"
+    line = f"{cache}; {spare.gpu_model} in rack {spare.rack}"
+    if named:
+        line = f"{spare.name}: {line}"
+    if boot is not None:
+        line += f"; boot {boot[0]:.0f} s ({boot[1]})"
+    return line
 
 
 def choose_release(

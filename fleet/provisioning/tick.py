@@ -16,6 +16,10 @@ transaction through `fleet.lifecycle.transitions.transition` (compare-and-set, a
   the least valuable servers drain and return to the warm pool (scale in).
 - **return**: `serving → draining` (the agent drains) → `drained → powering_off` (BMC off) →
   `warm` once the BMC reports off.
+- **pre-staging**: after capacity, warm spares are powered on to fetch the version of each
+  deployment asking for `cached_spares`, then powered off again (fleet/provisioning/staging.py:
+  `warm → booting → loading → powering_off → warm`, no deployment); a scale-out takes a staging
+  spare first.
 - **remediation**: a repair action `reboot` → drain → power cycle → `booting` again; the same
   fault after `max_reboots_same_fault` reboots, or `hardware_inspection`, → `quarantined`.
   A server silent for `heartbeat_cycle_after_s` is drained and power cycled too. With
@@ -53,10 +57,10 @@ from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Pool, PowerState, Rack, Server, utcnow
+from fleet.models import Deployment, Event, Pool, PowerState, Rack, Server, utcnow
 from fleet.power.actions import SPACED, ServerBusy, act_on, power_stagger
 from fleet.power.racks import commit_watts
-from fleet.provisioning import graceful_reboot, placement, quality_probe
+from fleet.provisioning import graceful_reboot, placement, quality_probe, staging
 from fleet.provisioning.autopilot import check_breaker, get_autopilot
 from fleet.provisioning.boots import ACTIVE, boot_spares, placement_lock, rack_rooms, start_boot
 from fleet.provisioning.escalation import escalate
@@ -67,6 +71,8 @@ ACTOR = "provisioner"
 # Servers counted against a deployment's disruption budget.
 DISRUPTED = frozenset({S.DRAINING, S.DRAINED})
 REMEDIATION_ACTIONS = frozenset({"reboot", "hardware_inspection"})
+# Boots whose boot-to-ready counts per cache state (boot_to_ready_cached_s / _uncached_s).
+BOOT_KINDS = frozenset({"power_on", "cycle", graceful_reboot.KIND})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +86,7 @@ class TickReport:
     moves: list[str] = field(default_factory=list)
     power_actions: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    staging: list[str] = field(default_factory=list)  # why a pre-staging goal is unmet
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +147,7 @@ class ProvisionTick:
         self.pending: list[PowerCall] = []  # the steps' BMC actions, sent by `_send_power`
         self.reboots: list[str] = []  # servers whose OS is asked to reboot over SSH this tick
         self.request_reboot: graceful_reboot.RequestReboot = graceful_reboot.over_ssh
+        self.short = False  # a deployment stayed short of its target this tick
 
     def run(self) -> None:
         try:
@@ -164,6 +172,18 @@ class ProvisionTick:
             self._hold_capacity()
         except FleetError as exc:
             self.report.errors.append(str(exc))
+        # Pre-staging only with nothing more pressing: not while the breaker is open, nor
+        # while scale-out is short (it needs the spares and the headroom more).
+        if not self.report.breaker_open and not self.short:
+            try:
+                staged = staging.stage_once(self.engine, self.settings, ACTOR)
+            except FleetError as exc:
+                self.report.errors.append(f"pre-staging: {exc}")
+            else:
+                for line in staged.started:
+                    name, _, why = line.partition(": ")
+                    self.report.moves.append(f"{name} -> booting: {why}")
+                self.report.staging.extend(staged.gaps)
         if not self.report.breaker_open:
             for name in quality_probe.probe_due(self.engine, self.settings):
                 outcome = quality_probe.probe_server(
@@ -206,6 +226,9 @@ class ProvisionTick:
     def _fail(self, session: Session, server: Server, reason: str) -> None:
         self._move(session, server, S.FAILED, reason)
         server.failed_reason = reason[:500]
+        if staging.is_staging(server):  # a stage ends with its server
+            server.stage_version_id = None
+            server.stage_started_at = None
         session.add(server)
 
     def _elapsed(self, since: datetime | None) -> float:
@@ -357,6 +380,17 @@ class ProvisionTick:
                 self._power(name, action, on_error=failed, on_busy=busy)
                 return
             if self._agent_up_since(server, started):
+                if staging.is_staging(server):
+                    self._move(
+                        session,
+                        server,
+                        S.LOADING,
+                        "agent registered; fetching its version into the cache (pre-staging)",
+                    )
+                    server.load_started_at = self.now
+                    session.add(server)
+                    session.commit()
+                    return
                 if server.deployment_id is None:
                     return  # an idle baseline server: capacity hands it a deployment
                 self._move(
@@ -382,7 +416,7 @@ class ProvisionTick:
             sent = server.power_on_sent_at
             if (
                 sent is not None
-                and server.boot_kind == "power_on"
+                and server.boot_kind in ("power_on", staging.KIND)
                 and server.power_state is not PowerState.ON
                 and self._elapsed(sent) > s.power_retry_after_s
             ):
@@ -403,6 +437,9 @@ class ProvisionTick:
         s = self.settings
         with Session(self.engine) as session:
             server = self._load(session, name)
+            if staging.is_staging(server):
+                self._stage_step(session, server)
+                return
             started = server.load_started_at or server.state_changed_at
             fresh = server.last_heartbeat_at is not None and server.last_heartbeat_at > started
             replicas = server.replicas or []
@@ -416,6 +453,13 @@ class ProvisionTick:
                 server.load_s = round(self._elapsed(started), 3)
                 if server.boot_started_at is not None:
                     server.boot_to_ready_s = round(self._elapsed(server.boot_started_at), 3)
+                    # Per cache state, for a real boot that began in that state (not a
+                    # resume, which boots nothing, nor a stage a scale-out took over).
+                    if server.boot_kind in BOOT_KINDS and server.boot_cache_hit is not None:
+                        if server.boot_cache_hit:
+                            server.boot_to_ready_cached_s = server.boot_to_ready_s
+                        else:
+                            server.boot_to_ready_uncached_s = server.boot_to_ready_s
                 session.add(server)
                 session.commit()
                 return
@@ -426,6 +470,19 @@ class ProvisionTick:
                     f"load deadline: replicas not ready within {s.load_deadline_s:g} s",
                 )
                 session.commit()
+
+    def _stage_step(self, session: Session, server: Server) -> None:
+        """A staging spare in `loading`: once its version is verified, its fetch failed or the
+        stage deadline passed, back to the warm pool, with one Event saying how it went."""
+        outcome = staging.progress(session, server, self.settings, self.now)
+        if outcome is None:
+            return
+        why = ("pre-staged: " if outcome.ok else "pre-stage failed: ") + outcome.message
+        self._move(session, server, S.POWERING_OFF, why[:500])
+        server.power_off_sent_at = None
+        session.add(server)
+        session.add(staging.outcome_event(server, outcome, ACTOR, self.now))
+        session.commit()
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -565,6 +622,8 @@ class ProvisionTick:
                 self._move(session, server, S.WARM, "the BMC reports it off: back in the warm pool")
                 server.deployment_id = None
                 server.drain_reason = None
+                server.stage_version_id = None  # a staging spare's stage ends here
+                server.stage_started_at = None
                 session.add(server)
                 session.commit()
                 return
@@ -626,14 +685,35 @@ class ProvisionTick:
                 server.deployment_id = deployment.id
                 session.add(server)
                 self.report.moves.append(f"{server.name}: baseline server takes {deployment.name}")
+            # Then spares powered on for a stage: on already, maybe holding the version.
+            taken = staging.take_staging(
+                session, deployment, missing - len(idle), deployment.model_version_id
+            )
+            for server in taken:
+                message = f"taken by scale-out of {deployment.name} while pre-staging"
+                session.add(
+                    Event(
+                        at=self.now,
+                        subject_type="server",
+                        subject=server.name,
+                        actor=ACTOR,
+                        kind="server.stage_taken",
+                        message=message,
+                        details={"deployment": deployment.name},
+                    )
+                )
+                self.report.moves.append(f"{server.name}: {message}")
             session.commit()
-        missing -= len(idle)
+        missing -= len(idle) + len(taken)
         if missing <= 0:
             return
-        result = boot_spares(self.engine, deployment.name, missing, ACTOR, raise_target=False)
+        result = boot_spares(
+            self.engine, deployment.name, missing, ACTOR, raise_target=False, settings=self.settings
+        )
         for name in result.booted:
             self.report.moves.append(f"{name} -> booting for {deployment.name} (capacity)")
         if result.short:
+            self.short = True
             why = "; ".join(result.reasons) or "no spare fits"
             self.report.errors.append(
                 f"{deployment.name}: {result.short} server(s) short of target: {why}"

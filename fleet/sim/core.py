@@ -537,9 +537,7 @@ class Simulation:
                         self.books.placed(server, engine, now)
                         self._on_server[server] = (dep, url)
                 dep.booting[url] = engine
-                cached = (
-                    server is not None and dep.spec.model in self._servers[server].models_cached
-                )
+                cached = server is not None and dep.spec.model in self._servers[server].cached
                 ready = now + a.ready_s(self._rng, cached=cached)
                 self._boot_at[url] = now
                 self._ready_at[url] = ready
@@ -602,7 +600,7 @@ class Simulation:
                 running[server.rack] = running.get(server.rack, 0) + 1
         want = placement.Want(
             deployment=dep.spec.name,
-            model_uri=dep.spec.model,
+            model=dep.spec.model,
             gpu_models=tuple(sorted(g for g in models if self._fits(dep, g))) or ("(none fits)",),
             gpus_per_replica=dep.spec.tp_size,
             servers=servers,

@@ -30,6 +30,7 @@ and servers per kW of budget.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -360,14 +361,4 @@ class PowerBooks:
 
 
 def _with_max(s: placement.Spare, max_w: float) -> placement.Spare:
-    return placement.Spare(
-        name=s.name,
-        site=s.site,
-        rack=s.rack,
-        gpu_model=s.gpu_model,
-        gpu_count=s.gpu_count,
-        standby_w=s.standby_w,
-        max_w=max_w,
-        models_cached=s.models_cached,
-        boot_to_ready_s=s.boot_to_ready_s,
-    )
+    return dataclasses.replace(s, max_w=max_w)

@@ -91,7 +91,7 @@ def spares(racks: Iterable[RackSpec], gpus: int) -> list[placement.Spare]:
                         gpu_count=gpus,
                         standby_w=standby_w,
                         max_w=max_w,
-                        models_cached=rack.cached,
+                        cached=rack.cached,
                     )
                 )
     return out

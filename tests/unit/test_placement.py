@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.provisioning.placement import (
+    BootFigures,
     Choice,
     RackRoom,
     Serving,
@@ -21,8 +22,12 @@ from fleet.provisioning.placement import (
     Want,
     choose_release,
     choose_spares,
+    expected_boot_s,
     extra_draw_w,
     fits,
+    holds,
+    spare_boot_s,
+    why,
 )
 
 EXTRA = 10_140.0  # 10,200 max - 60 standby
@@ -61,9 +66,9 @@ def want(
     gpus_per_replica: int = 8,
     running: Mapping[str, int] | None = None,
     site: str | None = None,
-    model_uri: str = "s3://models/llama-70b",
+    model: str = "s3://models/llama-70b",
 ) -> Want:
-    return Want("chat", model_uri, gpu_models, gpus_per_replica, servers, running or {}, site)
+    return Want("chat", model, gpu_models, gpus_per_replica, servers, running or {}, site)
 
 
 def serving(
@@ -581,7 +586,7 @@ def spares_st(draw: st.DrawFn) -> list[Spare]:
                 gpu_count=draw(st.sampled_from((1, 2, 4, 8))),
                 standby_w=standby,
                 max_w=standby + draw(watts),
-                models_cached=draw(st.sampled_from(((), (URI,), ("s3://other",)))),
+                cached=draw(st.sampled_from(((), (URI,), ("s3://other",)))),
                 boot_to_ready_s=draw(st.none() | st.floats(1, 3_600, allow_nan=False)),
             )
         )
@@ -605,7 +610,7 @@ def racks_st(draw: st.DrawFn) -> dict[str, RackRoom]:
 def want_st(draw: st.DrawFn) -> Want:
     return Want(
         deployment="chat",
-        model_uri=URI,
+        model=URI,
         gpu_models=tuple(draw(st.lists(st.sampled_from(("H100", "H200", "L40S")), unique=True))),
         gpus_per_replica=draw(st.sampled_from((1, 2, 4, 8))),
         servers=draw(st.integers(0, 14)),
@@ -677,3 +682,69 @@ def test_property_release_bounds(
         total = sum(s.rack == rack for s in mine)
         gone = sum(s.rack == rack and s.name in released for s in mine)
         assert total - gone >= min(keep, total)
+
+
+# --- the version cache and boot figures ---------------------------------------------------------
+
+KEY = "llama@v2"
+
+
+def test_the_deployments_version_key_decides_the_cache_preference() -> None:
+    spares = [
+        spare("old-version", "r1", cached=("llama@v1",), boot_s=60),
+        spare("holds-it", "r2", cached=(KEY,), boot_s=600),
+    ]
+    w = want(1, model=KEY)
+    choice = choose_spares(spares, rooms(room("r1"), room("r2")), w)
+    assert choice.chosen == ("holds-it",)
+    assert holds(spares[1], w) and not holds(spares[0], w)
+    assert not holds(spare("x", cached=("",)), want(1, model=""))  # no version: nothing holds it
+
+
+def test_the_boot_figure_of_the_cache_state_it_would_boot_in_ranks_spares() -> None:
+    # Both hold the version: the one with the faster CACHED boot goes first, whatever their
+    # uncached (or older, any-state) figures say.
+    a = Spare("a", "fra1", "r1", "H100", 8, 60.0, 10_200.0, (KEY,), 100.0, 500.0, 100.0)
+    b = Spare("b", "fra1", "r1", "H100", 8, 60.0, 10_200.0, (KEY,), 900.0, 200.0, 900.0)
+    assert spare_boot_s(a, cached=True) == 500.0 and spare_boot_s(a, cached=False) == 100.0
+    assert choose_spares([a, b], rooms(room("r1")), want(1, model=KEY)).chosen == ("b",)
+    # Never measured in that state: its last boot of any kind stands in.
+    c = Spare("c", "fra1", "r1", "H100", 8, 60.0, 10_200.0, (), 300.0)
+    assert spare_boot_s(c, cached=True) == 300.0
+
+
+def test_expected_boot_is_the_p90_of_the_model_and_cache_state() -> None:
+    figures = BootFigures(
+        {("H100", True): (95.0, 4), ("H100", False): (780.0, 3), ("L40S", None): (600.0, 1)}
+    )
+    assert expected_boot_s("H100", True, figures, 900.0) == (
+        95.0,
+        "H100, version cached: p90 of 4 cached boots",
+    )
+    assert expected_boot_s("H100", False, figures, 900.0)[0] == 780.0
+    # Only boots of unknown state: they stand in for either state.
+    assert expected_boot_s("L40S", True, figures, 900.0) == (
+        600.0,
+        "L40S, version cached: p90 of 1 boot",
+    )
+    # A cached spare may count on the slower uncached figure; an uncached one never on the
+    # faster cached one.
+    only_uncached = BootFigures({("H100", False): (780.0, 3)})
+    only_cached = BootFigures({("H100", True): (95.0, 4)})
+    assert expected_boot_s("H100", True, only_uncached, 900.0)[0] == 780.0
+    assert expected_boot_s("H100", False, only_cached, 900.0) == (
+        900.0,
+        "H100, version not cached: never measured, default",
+    )
+
+
+def test_why_names_the_cache_state_rack_and_boot() -> None:
+    w = want(1, model=KEY)
+    cached = spare("gpu3", "r2", cached=(KEY,))
+    assert why(cached, w, boot=(95.0, "H100, version cached: p90 of 4 cached boots")) == (
+        "gpu3: version llama@v2 cached; H100 in rack r2; boot 95 s "
+        "(H100, version cached: p90 of 4 cached boots)"
+    )
+    assert why(spare("gpu4"), w, named=False) == (
+        "version llama@v2 not cached: fetches first; H100 in rack r1"
+    )

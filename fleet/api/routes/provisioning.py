@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.api.deps import EngineDep, Operator, SessionDep, Viewer
+from fleet.api.deps import EngineDep, Operator, SessionDep, SettingsDep, Viewer
 from fleet.api.responses import AutopilotView, BootOutcome, DrainView, WarmPool
 from fleet.models import Int
 from fleet.provisioning import autopilot as autopilot_switch
@@ -37,13 +37,15 @@ def spares(_: Viewer, session: SessionDep) -> WarmPool:
 
 
 @router.post("/spares/boot")
-def boot(request: BootRequest, user: Operator, engine: EngineDep) -> BootOutcome:
+def boot(
+    request: BootRequest, user: Operator, engine: EngineDep, settings: SettingsDep
+) -> BootOutcome:
     """Boot `count` spares for a deployment now (placement: model allowed, model cached, rack
     headroom, spread, measured boot time); its target grows by what booted. The servers then
     go booting → loading → serving on the leader's ticks."""
     # No session of the request's: the boots open their own, and take the placement lock.
     result = boots.boot_spares(
-        engine, request.deployment, request.count, user.actor, raise_target=True
+        engine, request.deployment, request.count, user.actor, raise_target=True, settings=settings
     )
     return BootOutcome(
         deployment=result.deployment,
