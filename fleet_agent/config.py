@@ -82,9 +82,29 @@ class AgentSettings(BaseSettings):
     model_root: Path | None = None  # weights at MODEL_ROOT/<deployment>/<name>
     engine_load_timeout_s: float = Field(default=900.0, gt=0)
     engine_stop_grace_s: float = Field(default=30.0, gt=0)
+    # The weights cache (fleet_agent/weights/, docs/weights.md): model versions the fleet
+    # assigns are fetched into cache_dir (default work_dir/weights) and engines start there.
+    # cache_bytes: its budget, in bytes or with a unit ("500GiB", "2T"); default 80 % of the
+    # file system's size. Fetches: chunk size, per-read timeout, retry of a failed version.
+    cache_dir: Path | None = None
+    cache_bytes: int | None = Field(default=None, ge=0)
+    fetch_chunk_bytes: int = Field(default=8 << 20, ge=64 << 10, le=256 << 20)
+    fetch_timeout_s: float = Field(default=30.0, gt=0)
+    fetch_retry_s: float = Field(default=30.0, gt=0)
+    # s3:// artifacts: FLEET_AGENT_S3_ENDPOINT_URL, _REGION, _ACCESS_KEY_ID,
+    # _SECRET_ACCESS_KEY (never logged), read by fleet_agent/weights/s3.py S3Settings.from_env
+    # with the standard AWS_* names as fallback.
     # Self-drain (an unhealthy verdict or the fleet's "drain"): in-flight requests get this long
     # to finish before the engines are stopped.
     drain_deadline_s: float = Field(default=DRAIN_DEADLINE_S, ge=0)
+
+    @field_validator("cache_bytes", mode="before")
+    @classmethod
+    def _byte_size(cls, value: object) -> object:
+        return parse_bytes(value) if isinstance(value, str) else value
+
+    def weights_dir(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else self.work_dir / "weights"
 
     @field_validator("token_file")
     @classmethod
@@ -117,6 +137,41 @@ class AgentSettings(BaseSettings):
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("FLEET_AGENT_TLS_CLIENT_CA needs FLEET_AGENT_TLS_CERT and _KEY")
         return self
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """ "500GiB", "2 TB", "1.5g" or "1073741824" → bytes (decimal units for k/M/G/T, binary
+    for KiB/MiB/GiB/TiB)."""
+    raw = text.strip().lower().replace("_", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
+    unit = raw[len(number) :].strip() if number else raw
+    if unit not in _UNITS or not number:
+        raise ValueError(f"not a byte size: {text[:40]!r} (e.g. 500GiB, 2TB, 1073741824)")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"not a byte size: {text[:40]!r} (e.g. 500GiB, 2TB, 1073741824)") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"not a byte size: {text[:40]!r}")
+    return int(value * _UNITS[unit])
 
 
 class TokenFileError(ValueError):

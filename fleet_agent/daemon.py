@@ -13,6 +13,14 @@ Power limit: each reply carries the per-GPU limit the fleet's cap valve asks for
 every GPU through the telemetry backend (PowerLimitControl: NVML, the simulated backend); a
 backend that cannot (dcgm) says so once per requested value. Each heartbeat's GPUs carry the
 limit the boards enforce (GpuStatus.power_limit_w).
+
+Weights (fleet_agent/weights/, docs/weights.md): every tick hands the stager the versions the
+assignment names (the served one, then `stage`) and the keys to keep; it fetches them in the
+background. A served version the agent fetches starts its engines on the cache's path once it
+is ready; until then engines already serving that deployment (an older version: a rollout)
+keep serving, and engines of another deployment stop. Each heartbeat carries the cache
+(Heartbeat.cache) and each replica the version it runs (ReplicaStatus.version); a version
+turning ready or failed is reported at once.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from fleet_agent.config import AgentSettings
 from fleet_agent.engine.supervisor import EngineSupervisor
 from fleet_agent.fleet_client import FleetClient, FleetRefused, FleetUnreachable
 from fleet_agent.telemetry import PowerLimitControl, PowerLimitFailed, PowerLimitUnsupported
+from fleet_agent.weights.cache import WeightsCache
+from fleet_agent.weights.stager import Stager
 from fleet_core.fault_policy import Assessment, RepairAction, Verdict, assess
 from fleet_core.telemetry import GpuSample, GpuTelemetry, Snapshot, XidEvent
 from fleet_core.wire import (
@@ -45,6 +55,7 @@ from fleet_core.wire import (
     GpuStatus,
     HealthReason,
     Heartbeat,
+    ModelRef,
     Registration,
     ReplicaStatus,
     Reply,
@@ -102,6 +113,8 @@ class Agent:
         *,
         kernel_log: XidSource | None = None,
         supervisor: EngineSupervisor | None = None,
+        cache: WeightsCache | None = None,
+        stager: Stager | None = None,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
     ) -> None:
@@ -127,6 +140,8 @@ class Agent:
         key = settings.api_key.get_secret_value() if settings.api_key else None
         self.api_key = key or secrets.token_urlsafe(32)
         self.supervisor = supervisor
+        self.cache = cache
+        self.stager = stager if stager is not None else (Stager(cache) if cache else None)
         self.drain: Drain | None = None
         self._failures = 0
         self._refused_urls: list[str] = []
@@ -145,6 +160,7 @@ class Agent:
         interval, and at once when the verdict, readiness or drain state changes. Returns the
         seconds to wait before the next tick."""
         self._observe()
+        self._stage()
         self._steer_engines()
         now = self.clock()
         changed = self._state_key() != self._reported
@@ -171,6 +187,7 @@ class Agent:
             assessment.action if assessment else None,
             self.ready,
             self.draining,
+            self.cache.states() if self.cache is not None else (),
         )
 
     def _observe(self) -> None:
@@ -229,6 +246,26 @@ class Agent:
         self._heard(reply)
 
     # -----------------------------------------------------------------------------------------
+    # weights
+
+    def _stage(self) -> None:
+        """Tell the stager what the assignment wants cached: the served version first, then
+        the `stage` list (kind "stage": a spare pre-staged; kind "serve": ahead of a rollout).
+        Draining or unassigned: nothing (a fetch under way stops; its partial files stay)."""
+        stager, cache = self.stager, self.cache
+        if stager is None or cache is None:
+            return
+        a = self.assignment
+        wanted: list[ModelRef] = []
+        if a.kind == "serve" and a.model is not None:
+            wanted.append(a.model)
+        if a.kind in ("serve", "stage"):
+            wanted.extend(a.stage)
+        stager.want(wanted, keep=a.keep)
+        running = self.supervisor.version if self.supervisor is not None else None
+        cache.set_in_use([running] if running else [])
+
+    # -----------------------------------------------------------------------------------------
     # engines and self-drain
 
     def _steer_engines(self) -> None:
@@ -250,7 +287,7 @@ class Agent:
             if kind == "serve" and not unhealthy:
                 self._apply(supervisor)
                 return
-            if kind == "none":
+            if kind in ("none", "stage"):  # stage: a spare fetching weights runs no engine
                 supervisor.apply(None)
                 return
             if supervisor.deployment is None:
@@ -263,9 +300,22 @@ class Agent:
     def _apply(self, supervisor: EngineSupervisor) -> None:
         snapshot = self.latest()
         gpus = sorted(g.index for g in snapshot.gpus if not g.lost) if snapshot else None
+        assignment = self.assignment
+        ref, cache = assignment.model, self.cache
+        model_dir = None
+        if ref is not None and not ref.external and cache is not None:
+            if not cache.is_ready(ref):
+                # Not cached yet: the engines of an earlier version of this deployment serve
+                # on; those of another deployment stop (their weights are not wanted).
+                if supervisor.deployment not in (None, assignment.deployment):
+                    supervisor.apply(None)
+                return
+            model_dir = cache.engine_dir(ref.key)
         try:
             # The supervisor reads the assignment as the fleet's JSON sent it.
-            supervisor.apply(self.assignment.model_dump(mode="json"), gpus=gpus or None)
+            supervisor.apply(
+                assignment.model_dump(mode="json"), gpus=gpus or None, model_dir=model_dir
+            )
         except ValueError as exc:
             with self._lock:
                 self.last_error = f"assignment: {exc}"
@@ -415,6 +465,7 @@ class Agent:
             draining=self.draining,
             ready=self.ready,
             replicas=[_replica_report(r) for r in self.replicas()],
+            cache=self.cache.report() if self.cache is not None else None,
         )
 
     @property
@@ -454,6 +505,7 @@ class Agent:
                 "drain": _drain_view(self.drain),
                 "power_limit": dataclasses.asdict(self.power_limit),
                 "replicas": self.replicas(),
+                "cache": self._cache_view(),
                 "last_contact": _iso(self.last_contact) if self.last_contact else None,
                 "last_error": self.last_error,
                 "assessment": assessment.to_dict() if assessment else None,
@@ -461,12 +513,22 @@ class Agent:
                 "counters": dataclasses.asdict(self.counters),
             }
 
+    def _cache_view(self) -> dict[str, Any] | None:
+        if self.cache is None:
+            return None
+        view = self.cache.view()
+        if self.stager is not None:
+            view["stager"] = self.stager.view()
+        return view
+
     # -----------------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Tick until `stop` is set; the engines stop with the agent."""
+        """Tick until `stop` is set; the engines and the stager stop with the agent."""
         if self.supervisor is not None:
             self.supervisor.start()
+        if self.stager is not None:
+            self.stager.start()
         try:
             while not stop.is_set():
                 try:
@@ -477,6 +539,8 @@ class Agent:
                 self._wake.wait(wait)
                 self._wake.clear()
         finally:
+            if self.stager is not None:
+                self.stager.close()
             if self.supervisor is not None:
                 self.supervisor.close(self.settings.engine_stop_grace_s)
 
@@ -510,6 +574,7 @@ _REPLICA_FIELDS = (
     "ttft_p95_s",
     "e2e_p50_s",
     "e2e_p95_s",
+    "version",
 )
 
 

@@ -60,7 +60,52 @@ class AgentCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._gpus()
         yield from self._replicas()
+        yield from self._weights()
         yield from self._own_state()
+
+    def _weights(self) -> Iterator[Metric]:
+        """agent_weights_*: the cache's room and contents, and its fetches since start."""
+        cache = self.agent.cache
+        if cache is None:
+            return
+        report = cache.report()
+        c = cache.counters
+        yield GaugeMetricFamily(
+            "agent_weights_cache_budget_bytes",
+            "The weights cache's byte budget",
+            value=report.budget_bytes,
+        )
+        yield GaugeMetricFamily(
+            "agent_weights_cache_used_bytes",
+            "Bytes the weights cache holds (verified files and partial ones)",
+            value=report.used_bytes,
+        )
+        if report.free_bytes is not None:
+            yield GaugeMetricFamily(
+                "agent_weights_cache_free_bytes",
+                "Free space on the weights cache's file system",
+                value=report.free_bytes,
+            )
+        versions = GaugeMetricFamily(
+            "agent_weights_versions", "Model versions in the cache, by state", labels=["state"]
+        )
+        for state in ("ready", "fetching", "failed"):
+            versions.add_metric([state], sum(1 for e in report.entries if e.state == state))
+        yield versions
+        for name, help_text, value in (
+            ("fetched_bytes", "Bytes fetched into the weights cache", c.fetched_bytes),
+            ("fetch_seconds", "Seconds spent fetching weights", c.fetch_seconds),
+            ("files_fetched", "Weight files fetched and verified", c.files_fetched),
+            (
+                "checksum_failures",
+                "Fetched files whose sha256 did not match (discarded)",
+                c.checksum_failures,
+            ),
+            ("fetch_failures", "Versions whose fetch failed", c.fetch_failures),
+            ("resumes", "Fetches that resumed after a cut", c.resumes),
+            ("evictions", "Versions evicted from the cache (least recently used)", c.evictions),
+        ):
+            yield CounterMetricFamily(f"agent_weights_{name}", help_text, value=value)
 
     def _gpus(self) -> Iterator[Metric]:
         labels = ["gpu", "uuid"]

@@ -16,6 +16,8 @@ from fleet_agent.engine.supervisor import EngineSupervisor, SupervisorConfig
 from fleet_agent.fleet_client import FleetClient
 from fleet_agent.local_api import LocalApi
 from fleet_agent.telemetry import sim_gpu_state
+from fleet_agent.weights.cache import WeightsCache
+from fleet_agent.weights.stager import Stager
 from fleet_core.gpus import GPUS
 from fleet_core.telemetry import GpuTelemetry, TelemetryUnavailable
 
@@ -76,8 +78,47 @@ def build_supervisor(settings: AgentSettings) -> EngineSupervisor:
         stop_grace_s=settings.engine_stop_grace_s,
         model_root=settings.model_root,
         extra_env=_simulated_engine_env(settings),
+        external_env=_external_weights_env(settings),
     )
     return EngineSupervisor(config)
+
+
+def _external_weights_env(settings: AgentSettings) -> dict[str, str]:
+    """The STAND-IN refuses a checkpoint directory that does not exist, as trtllm-serve
+    would; weights Fleet does not fetch (external versions) are delivered by nobody on a host
+    without GPUs, so there it serves without them."""
+    if "fleet_agent.engine.standin" not in settings.engine_command:
+        return {}
+    return {"FLEET_STANDIN_MISSING_WEIGHTS": "ignore"}
+
+
+def build_cache(settings: AgentSettings) -> WeightsCache:
+    """The weights cache at cache_dir (default work_dir/weights), its budget cache_bytes
+    (default 80 % of the file system's size), s3:// from FLEET_AGENT_S3_* (or AWS_*)."""
+    from fleet_agent.weights.s3 import S3Settings
+
+    root = settings.weights_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    budget = settings.cache_bytes
+    if budget is None:
+        st = os.statvfs(root)
+        budget = int(st.f_blocks * st.f_frsize * 0.8)
+    try:
+        s3 = S3Settings.from_env()
+    except ValueError as exc:  # pydantic's ValidationError included: names the field only
+        log.error("s3:// weights off: the S3 settings are not valid: %s", _first_line(exc))
+        s3 = None
+    return WeightsCache(
+        root,
+        budget,
+        s3=s3,
+        chunk_bytes=settings.fetch_chunk_bytes,
+        timeout_s=settings.fetch_timeout_s,
+    )
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _simulated_engine_env(settings: AgentSettings) -> dict[str, str]:
@@ -107,6 +148,8 @@ def run(settings: AgentSettings, stop: threading.Event | None = None) -> None:
         client,
         kernel_log=build_kernel_log(settings),
         supervisor=build_supervisor(settings),
+        cache=(cache := build_cache(settings)),
+        stager=Stager(cache, retry_s=settings.fetch_retry_s),
     )
     api = LocalApi(
         agent,

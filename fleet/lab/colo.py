@@ -140,6 +140,11 @@ APPLY_MARGIN_S = 0.25  # sushy applies at int(apply_time) <= time.time(): read a
 IPMI_START_WORKERS = 12
 AGENT_POLL_S = 1.0  # how often the controller looks for agents that exited on their own
 POWER_FEED_S = 5.0  # how often the BMCs' power readings follow the modelled draw
+# Each server's weights cache (fleet_agent/weights/): servers/<name>/weights, kept across power
+# cycles as a server's local disk is (a pre-staged spare keeps its weights), and this budget
+# unless `cache_bytes` says otherwise: the lab's servers share one real disk.
+LAB_CACHE_BYTES = 4 << 30
+CACHE_DIR_NAME = "weights"
 AGENT_METRICS_TIMEOUT_S = 1.0  # one agent's /metrics; a slower agent counts as booting
 POWER_FEED_WORKERS = 16  # agents' /metrics read at once
 # ipmi_sim's power sensor is one byte times a step: its range is max_w times this (a server
@@ -323,8 +328,12 @@ class VirtualColo:
     interpreter exit.
 
     `power_feed_s` is how often the BMCs' power readings follow the modelled draw (module doc);
-    `no_power_reading` names servers whose BMC gives no power reading at all. `ssh`: SSH mode
-    (module doc; root only): `token_for` is then never called, Ansible mints the agents' tokens.
+    `no_power_reading` names servers whose BMC gives no power reading at all. `cache_bytes`:
+    the budget of every server's weights cache (one figure, or per server name, the others
+    LAB_CACHE_BYTES); the cache lives in `workdir/servers/<name>/weights` and survives power
+    cycles. s3:// weights: the lab's own FLEET_AGENT_S3_* settings reach every agent. `ssh`:
+    SSH mode (module doc; root only): `token_for` is then never called, Ansible mints the
+    agents' tokens.
     """
 
     def __init__(
@@ -343,6 +352,7 @@ class VirtualColo:
         power_feed_s: float = POWER_FEED_S,
         no_power_reading: Iterable[str] = (),
         ssh: bool = False,
+        cache_bytes: int | Mapping[str, int] = LAB_CACHE_BYTES,
     ) -> None:
         if not isinstance(inventory, InventoryFile):
             inventory = parse_inventory(inventory)
@@ -369,6 +379,14 @@ class VirtualColo:
             raise ValueError(f"no_power_reading names servers not in the inventory: {unknown}")
         for name in no_power_reading:
             self._nodes[name].bmc_power_reading = False
+        budgets = cache_bytes if isinstance(cache_bytes, Mapping) else {}
+        unknown = sorted(set(budgets) - set(self._nodes))
+        if unknown:
+            raise ValueError(f"cache_bytes names servers not in the inventory: {unknown}")
+        default = LAB_CACHE_BYTES if isinstance(cache_bytes, Mapping) else cache_bytes
+        if any(b < 0 for b in (default, *budgets.values())):
+            raise ValueError("cache_bytes must be >= 0")
+        self._cache_bytes = {name: budgets.get(name, default) for name in self._nodes}
         self._by_uuid = {n.system_id: n for n in self._nodes.values() if n.system_id}
         self._sushy: SushyEmulator | None = None
         self._notices: NoticeServer | None = None
@@ -814,9 +832,24 @@ class VirtualColo:
             FLEET_AGENT_WORK_DIR=str(node.workdir / "agent"),
             FLEET_STANDIN_GPU=node.spec.gpu.model,
         )
+        env.update(self._weights_env(node))
         env.update(self.agent_env)
         env["FLEET_AGENT_API_KEY"] = node.api_key  # the key `inject` presents: not overridable
         return env
+
+    def _weights_env(self, node: _Node) -> dict[str, str]:
+        """The server's weights cache (its own directory and budget) and the lab's S3 settings
+        (FLEET_AGENT_S3_*: the endpoint and credentials of the lab's object store)."""
+        env = {
+            "FLEET_AGENT_CACHE_DIR": str(node.workdir / CACHE_DIR_NAME),
+            "FLEET_AGENT_CACHE_BYTES": str(self._cache_bytes[node.name]),
+        }
+        env.update({k: v for k, v in os.environ.items() if k.startswith("FLEET_AGENT_S3_")})
+        return env
+
+    def cache_dir(self, server: str) -> Path:
+        """Where `server`'s agent keeps its weights cache."""
+        return self._node(server).workdir / CACHE_DIR_NAME
 
     def _stop_agent(self, node: _Node) -> None:
         """SIGTERM the agent's group now; `_reap_stopping` SIGKILLs it after the grace."""
@@ -1304,6 +1337,7 @@ class VirtualColo:
             "FLEET_AGENT_ENGINE_BASE_PORT": str(node.engine_base_port),
             "FLEET_STANDIN_GPU": node.spec.gpu.model,
         }
+        env.update(self._weights_env(node))
         env.update(self.agent_env)
         env["FLEET_AGENT_API_KEY"] = node.api_key  # the key `inject` presents: not overridable
         return env

@@ -68,11 +68,13 @@ SERVING_SETTINGS: dict[str, str] = {
     "FLEET_PROBE_INTERVAL_S": "0",
 }
 # The lab's agents: heartbeats every 0.5 s, samples every 0.2 s, stand-in engines that load in
-# 0.5 s, a fleet that does not answer retried within 2 s.
+# 0.5 s (plus the time their weights take to read), a fleet that does not answer retried
+# within 2 s, a failed weights fetch tried again after 2 s.
 FAST_AGENT_SETTINGS: dict[str, str] = {
     "FLEET_AGENT_HEARTBEAT_INTERVAL_S": "0.5",
     "FLEET_AGENT_SAMPLE_INTERVAL_S": "0.2",
     "FLEET_STANDIN_LOAD_S": "0.5",
+    "FLEET_AGENT_FETCH_RETRY_S": "2",
     "FLEET_AGENT_BACKOFF_INITIAL_S": "0.2",
     "FLEET_AGENT_BACKOFF_MAX_S": "2",
     "FLEET_AGENT_REQUEST_TIMEOUT_S": "2",

@@ -81,8 +81,12 @@ class SupervisorConfig:
     max_consecutive_crashes: int = 5
     stop_grace_s: float = 30.0  # SIGTERM lets trtllm-serve finish in-flight requests
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # Weights live at model_root/<deployment>/<basename of model_uri> (work_dir/models if None).
+    # Weights the agent fetched: the cache's engine_path, passed to apply(). Weights Fleet
+    # does not fetch (external versions, older fleets) live at
+    # model_root/<deployment>/<basename of model_uri> (work_dir/models if None), and their
+    # engines get `external_env` on top of extra_env (the lab's stand-in: no weights there).
     model_root: Path | None = None
+    external_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     poll_interval_s: float = 1.0  # the background thread's (start())
     http_timeout_s: float = 1.0  # per request: a poll never blocks the agent for long
     stable_after_s: float = 60.0  # ready this long: the consecutive-crash count starts over
@@ -111,6 +115,7 @@ class _Replica:
     url: str
     argv: list[str]
     log_path: Path
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # on top of extra_env
     state: State = "starting"
     proc: subprocess.Popen[bytes] | None = None
     spawned_at: float | None = None
@@ -154,6 +159,7 @@ class EngineSupervisor:
         self._retiring: list[_Retiring] = []
         self._identity: str | None = None
         self._deployment: str | None = None
+        self._version: str | None = None  # the model version key the engines serve
         self._assignment_error: str | None = None
         self._client = httpx.Client(
             timeout=config.http_timeout_s,
@@ -171,6 +177,13 @@ class EngineSupervisor:
     def deployment(self) -> str | None:
         with self._lock:
             return self._deployment
+
+    @property
+    def version(self) -> str | None:
+        """The model version ("<model>@<version>") the engines run, when the assignment named
+        one."""
+        with self._lock:
+            return self._version
 
     @property
     def assignment_error(self) -> str | None:
@@ -226,13 +239,18 @@ class EngineSupervisor:
             "e2e_p50_s": s.e2e_p50_s,
             "e2e_p95_s": s.e2e_p95_s,
             "last_error": r.last_error,
+            "version": self._version,
         }
 
     # -----------------------------------------------------------------------------------------
     # the assignment
 
     def apply(
-        self, assignment: Mapping[str, Any] | None, gpus: Sequence[int] | None = None
+        self,
+        assignment: Mapping[str, Any] | None,
+        gpus: Sequence[int] | None = None,
+        *,
+        model_dir: Path | None = None,
     ) -> None:
         """Run what the fleet assigned. Idempotent; never blocks on engines.
 
@@ -241,8 +259,11 @@ class EngineSupervisor:
         later polls) and the new replicas start once they are gone. `none` (or None): the
         engines stop the same way. `drain`: nothing changes here; the daemon drains (waits for
         in_flight() to reach 0, then stop_all()). `gpus`: this host's GPU indexes (default:
-        0 .. replicas × gpus_per_replica - 1). An invalid assignment stops the engines, is
-        remembered (assignment_error) and raises ValueError, again on every repeat.
+        0 .. replicas × gpus_per_replica - 1). `model_dir`: the checkpoint directory of a
+        version the agent fetched (its weights cache); None: model_root/<deployment>/<basename
+        of model_uri>. The assignment's `stage` and `keep` lists are the cache's business: a
+        change there restarts nothing. An invalid assignment stops the engines, is remembered
+        (assignment_error) and raises ValueError, again on every repeat.
         """
         kind = "none" if assignment is None else assignment.get("kind", "none")
         if kind == "drain":
@@ -253,20 +274,24 @@ class EngineSupervisor:
                     log.info("assignment none: stopping the engines of %s", self._deployment)
                 self._retire_all()
                 self._identity = self._deployment = self._assignment_error = None
+                self._version = None
             return
         assert assignment is not None
+        assignment = {k: v for k, v in assignment.items() if k not in _CACHE_ONLY}
+        if model_dir is not None:
+            assignment["model_dir"] = str(model_dir)
         with self._lock:
             try:
                 if kind != "serve":
                     raise ValueError(f"unknown assignment kind {kind!r}")
-                replicas, yaml_text, name = self._plan(assignment, gpus)
+                replicas, yaml_text, name = self._plan(assignment, gpus, model_dir)
             except ValueError as exc:
                 identity = _identity(assignment, None if gpus is None else sorted(gpus))
                 if identity == self._identity and self._assignment_error is not None:
                     raise ValueError(self._assignment_error) from exc
                 log.error("invalid assignment, engines stopped: %s", exc)
                 self._retire_all()
-                self._identity, self._deployment = identity, None
+                self._identity, self._deployment, self._version = identity, None, None
                 self._assignment_error = str(exc)
                 raise
             # The same deployment, parameters and GPU layout: the engines keep running.
@@ -274,22 +299,24 @@ class EngineSupervisor:
             if identity == self._identity:
                 return
             self._retire_all()
-            self._identity = self._deployment = None  # until the new one is in place
+            self._identity = self._deployment = self._version = None  # until the new one runs
             deploy_dir = replicas[0].log_path.parent
             deploy_dir.mkdir(parents=True, exist_ok=True)
             _write_atomic(deploy_dir / "extra-llm-api-options.yaml", yaml_text)
             self._replicas = replicas
             self._identity, self._deployment, self._assignment_error = identity, name, None
+            self._version = _version_key(assignment)
             log.info(
-                "serving %s: %d replica(s) on GPUs %s",
+                "serving %s%s: %d replica(s) on GPUs %s",
                 name,
+                f" ({self._version})" if self._version else "",
                 len(replicas),
                 [r.gpus for r in replicas],
             )
             self._spawn_due(self.clock())
 
     def _plan(
-        self, assignment: Mapping[str, Any], gpus: Sequence[int] | None
+        self, assignment: Mapping[str, Any], gpus: Sequence[int] | None, model_dir: Path | None
     ) -> tuple[list[_Replica], str, str]:
         cfg = self.config
         name = assignment.get("deployment")
@@ -299,7 +326,7 @@ class EngineSupervisor:
         params = assignment.get("engine_params") or {}
         if not isinstance(name, str) or not name:
             raise ValueError("assignment.deployment is missing")
-        if not isinstance(uri, str) or not uri:
+        if model_dir is None and (not isinstance(uri, str) or not uri):
             raise ValueError("assignment.model_uri is missing")
         if not isinstance(per_replica, int) or isinstance(per_replica, bool):
             raise ValueError("assignment.gpus_per_replica must be an integer")
@@ -328,7 +355,10 @@ class EngineSupervisor:
         ports = replica_ports(cfg.base_port, len(layout))
         deploy_dir = cfg.work_dir / name
         root = cfg.model_root if cfg.model_root is not None else cfg.work_dir / "models"
-        model = str(model_path(root, name, uri))
+        if model_dir is not None:
+            model, env = str(model_dir), {}
+        else:
+            model, env = str(model_path(root, name, str(uri))), dict(cfg.external_env)
         options_path = deploy_dir / "extra-llm-api-options.yaml"
         yaml_text = yaml.safe_dump(extra_llm_api_options(params), sort_keys=True)
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
@@ -342,6 +372,7 @@ class EngineSupervisor:
                     cfg.engine_command, model, params, cfg.host, port, str(options_path)
                 ),
                 log_path=deploy_dir / f"replica-{i}.log",
+                env=env,
             )
             for i, (group, port) in enumerate(zip(layout, ports, strict=True))
         ]
@@ -412,6 +443,7 @@ class EngineSupervisor:
         # The agent's own settings (its fleet token among them) are none of the engine's business.
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_AGENT_")}
         env.update(cfg.extra_env)
+        env.update(r.env)
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(r.gpus)
         try:
             r.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -551,6 +583,7 @@ class EngineSupervisor:
             procs += [old.proc for old in self._retiring]
             self._replicas, self._retiring = [], []
             self._identity = self._deployment = self._assignment_error = None
+            self._version = None
         _terminate(procs, grace)
 
     # -----------------------------------------------------------------------------------------
@@ -587,6 +620,16 @@ class EngineSupervisor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Assignment fields the weights cache reads and the engines do not.
+_CACHE_ONLY = frozenset({"stage", "keep"})
+
+
+def _version_key(assignment: Mapping[str, Any]) -> str | None:
+    model = assignment.get("model")
+    key = model.get("key") if isinstance(model, Mapping) else None
+    return key if isinstance(key, str) and key else None
 
 
 def _identity(assignment: Mapping[str, Any], layout: Any) -> str:

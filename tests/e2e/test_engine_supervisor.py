@@ -49,6 +49,7 @@ FAKE_ENGINE = textwrap.dedent(
         "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "options": open(flag("--extra_llm_api_options")).read(),
         "agent_token": os.environ.get("FLEET_AGENT_TOKEN"),
+        "external": os.environ.get("EXTERNAL_ONLY"),
     }
     path = os.path.join(control, f"engine-{port}-{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:
@@ -521,6 +522,42 @@ def test_apply_is_idempotent_and_switches_deployments(harness: Harness) -> None:
     assert sup.replica_stats() == [] and sup.deployment is None
     _wait_gone(running)  # SIGTERM from apply, reaped by the thread's polls
     sup.apply({"kind": "none"})  # again: nothing to do
+
+
+def test_a_fetched_version_runs_on_its_cache_path(harness: Harness, tmp_path: Path) -> None:
+    """model_dir (the weights cache's engine_path) replaces model_root/<deployment>/<name>;
+    the version is reported; the cache's own fields (stage, keep) restart nothing; a new
+    version (a rollout) restarts the engines on its path. Weights Fleet did not fetch get
+    external_env on top of extra_env."""
+    sup = harness.supervisor(1, env={"FAKE_LOAD_S": "0.1"}, external_env={"EXTERNAL_ONLY": "1"})
+    v1_dir = tmp_path / "cache" / "llama-3.1-8b" / "v1" / "llama-3.1-8b"
+    ref = {"model": "llama-3.1-8b", "version": "v1", "key": "llama-3.1-8b@v1", "artifacts": []}
+    first = {**_assignment(1), "model": ref, "stage": [], "keep": ["llama-3.1-8b@v1"]}
+    sup.apply(first, gpus=[0, 1], model_dir=v1_dir)
+    _wait(sup, lambda: sup.ready, what="ready on v1")
+    [info] = _infos(harness.control)
+    assert info["argv"][0] == str(v1_dir) and info["external"] is None
+    assert sup.version == "llama-3.1-8b@v1"
+    assert [r["version"] for r in _stats(sup)] == ["llama-3.1-8b@v1"]
+
+    staged = {**first, "stage": [{**ref, "version": "v2", "key": "llama-3.1-8b@v2"}]}
+    sup.apply({**staged, "keep": ["llama-3.1-8b@v1", "llama-3.1-8b@v2"]}, [0, 1], model_dir=v1_dir)
+    assert [r["pid"] for r in _stats(sup)] == [info["pid"]] and sup.ready  # nothing restarts
+
+    v2_dir = tmp_path / "cache" / "llama-3.1-8b" / "v2" / "llama-3.1-8b"
+    second = {**first, "model": {**ref, "version": "v2", "key": "llama-3.1-8b@v2"}}
+    sup.apply(second, gpus=[0, 1], model_dir=v2_dir)
+    assert sup.version == "llama-3.1-8b@v2" and not sup.ready  # its replicas start anew
+    _wait(sup, lambda: sup.ready, what="ready on v2")
+    assert [i["argv"][0] for i in _infos(harness.control)].count(str(v2_dir)) == 1
+
+    sup.apply(_assignment(1), gpus=[0, 1])  # no model: the old path, external_env on top
+    _wait(sup, lambda: sup.ready, what="ready on the external path")
+    assert sup.version is None
+    last = [i for i in _infos(harness.control) if i["external"] == "1"]
+    assert [i["argv"][0] for i in last] == [
+        str(tmp_path / "work" / "models" / "llama-8b" / "llama-3.1-8b")
+    ]
 
 
 def test_tp_pp_must_match_gpus_per_replica(harness: Harness) -> None:

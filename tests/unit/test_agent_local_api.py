@@ -191,3 +191,31 @@ def test_the_lab_gives_each_agent_a_key_of_its_own_and_keeps_it(tmp_path: Path) 
     first.agent_url = "http://127.0.0.1:9410"
     first.agent_ref = ProcRef(pid=1, start=0)
     assert colo._server_state(first)["agent"]["key"] == first.api_key  # for `lab inject`
+
+
+def test_the_lab_gives_each_agent_a_weights_cache_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inventory = (DEMO_INVENTORY).read_text()
+    probe = VirtualColo(inventory, tmp_path, token_for=lambda _: "t", state_file=None)
+    first, second = probe.servers[:2]
+    monkeypatch.setenv("FLEET_AGENT_S3_ENDPOINT_URL", "http://127.0.0.1:9000")
+    monkeypatch.setenv("FLEET_AGENT_S3_SECRET_ACCESS_KEY", "lab-secret")
+    monkeypatch.setenv("FLEET_DATABASE_URL", "postgresql://lab")  # the lab's own: not passed
+    colo = VirtualColo(
+        inventory, tmp_path, token_for=lambda _: "t", state_file=None, cache_bytes={first: 1 << 30}
+    )
+    env = colo._agent_env(colo._node(first), "t", 9410)
+    assert env["FLEET_AGENT_CACHE_DIR"] == str(tmp_path.resolve() / "servers" / first / "weights")
+    assert env["FLEET_AGENT_CACHE_DIR"] == str(colo.cache_dir(first))
+    assert env["FLEET_AGENT_CACHE_BYTES"] == str(1 << 30)
+    assert env["FLEET_AGENT_S3_ENDPOINT_URL"] == "http://127.0.0.1:9000"
+    assert env["FLEET_AGENT_S3_SECRET_ACCESS_KEY"] == "lab-secret"
+    assert "FLEET_DATABASE_URL" not in env
+    other = colo._agent_env(colo._node(second), "t", 9411)
+    assert other["FLEET_AGENT_CACHE_BYTES"] == str(4 << 30)  # the lab's default
+    assert other["FLEET_AGENT_CACHE_DIR"].endswith(f"/servers/{second}/weights")
+    one = VirtualColo(inventory, tmp_path, token_for=lambda _: "t", state_file=None, cache_bytes=7)
+    assert one._agent_env(one._node(second), "t", 1)["FLEET_AGENT_CACHE_BYTES"] == "7"
+    with pytest.raises(ValueError, match="cache_bytes names servers not in the inventory"):
+        VirtualColo(inventory, tmp_path, token_for=lambda _: "t", cache_bytes={"nope": 1})

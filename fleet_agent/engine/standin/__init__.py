@@ -12,9 +12,12 @@ durations come from the cost model of fleet_core/cost_model.py for the GPU it pr
 on. docs/engine.md says what it models and how faithfully.
 
 Lifecycle, as trtllm-serve: the port is bound at once but listens only once the weights are
-"loaded" (connections are refused meanwhile); then /health answers 200. On SIGTERM or SIGINT it
-answers 503 to /health and to new generations, lets the requests in flight finish (at most
-FLEET_STANDIN_DRAIN_S wall seconds), then exits 0.
+loaded (connections are refused meanwhile): a checkpoint directory's files are READ for real,
+then FLEET_STANDIN_LOAD_S passes; then /health answers 200. A missing or empty checkpoint
+directory is refused (exit 1). Its `fleet-standin.json`, if any, makes it a bad version
+(errors, slow, wrong answers: weights.py, docs/engine.md "Weights and bad versions").
+On SIGTERM or SIGINT it answers 503 to /health and to new generations, lets the requests in
+flight finish (at most FLEET_STANDIN_DRAIN_S wall seconds), then exits 0.
 
 Environment (stand-in only):
   FLEET_STANDIN_GPU        H100 | H200 | L40S (default H100)
@@ -24,6 +27,9 @@ Environment (stand-in only):
   FLEET_STANDIN_SEED       seed of the generated text and lengths (default 0)
   FLEET_STANDIN_SPEEDUP    divides every simulated duration, load included (default 1.0)
   FLEET_STANDIN_DRAIN_S    wall-clock bound on the drain after SIGTERM (default 30)
+  FLEET_STANDIN_READ_MB_S  cap on reading the checkpoint's files at load (default: unlimited)
+  FLEET_STANDIN_MISSING_WEIGHTS  "ignore": serve an absolute model path that does not exist
+                           without weights (default: refuse, as trtllm-serve would)
   FLEET_STANDIN_GPU_STATE_DIR  the simulated GPUs' shared state (the agent sets it with simulated
                            telemetry): their power limits slow the iterations down, and the
                            engine's per-GPU power goes back there (fleet_agent/telemetry/
@@ -38,6 +44,6 @@ and under a power limit takes its capped time. /prometheus/metrics adds, per GPU
 The package: settings.py (the command line, the YAML and FLEET_STANDIN_* → Settings),
 openai_schemas.py (the OpenAI request bodies and error shape), prometheus_metrics.py
 (trtllm-serve's `trtllm_*` Prometheus metrics and the stand-in's power), power.py (the power
-meter), server.py (the HTTP server, the engine loop,
-the lifecycle and main()); __main__.py runs main().
+meter), weights.py (the checkpoint read at load, bad versions), server.py (the HTTP server,
+the engine loop, the lifecycle and main()); __main__.py runs main().
 """

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -45,6 +48,14 @@ from fleet_agent.engine.standin.openai_schemas import (
 from fleet_agent.engine.standin.power import PowerMeter
 from fleet_agent.engine.standin.prometheus_metrics import PromMetrics
 from fleet_agent.engine.standin.settings import ConfigError, Settings, build_parser, build_settings
+from fleet_agent.engine.standin.weights import (
+    BEHAVIOUR_FILE,
+    Behaviour,
+    WeightsError,
+    find_weights,
+    read_all,
+    read_mb_s,
+)
 from fleet_agent.telemetry import sim_gpu_state
 from fleet_core import cost_model, power_model
 from fleet_core.gpus import MIB
@@ -94,6 +105,10 @@ class StandinServer:
         self.inflight = 0
         self._channels: dict[str, _Channel] = {}
         self._wake = asyncio.Event()
+        weights = settings.weights
+        self.behaviour = weights.behaviour if weights is not None else Behaviour()
+        self._error_debt = 0.0  # "errors": every request adds the share, a whole one fails
+        self._rng = random.Random()
         self._init_gauges()
         self.app = Starlette(
             routes=[
@@ -137,7 +152,8 @@ class StandinServer:
             self.power.iteration(started, result.duration_s, result.power_w, result.capped)
             # Chain deadlines so that sleep overshoot does not accumulate, but never run more
             # than 50 ms of iterations back to back to catch up after a stall.
-            deadline = max(deadline, loop.time() - 0.05) + result.duration_s / self.speedup
+            wall = result.duration_s * self.behaviour.slow / self.speedup
+            deadline = max(deadline, loop.time() - 0.05) + wall
             delay = deadline - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
             self._deliver(result)
@@ -289,9 +305,31 @@ class StandinServer:
             message, param = validation_message(exc)
             return error_response(400, message, param)
 
+    def _bad_version_error(self) -> Response | None:
+        """A bad version's share of failures (fleet-standin.json "errors"), spread evenly."""
+        share = self.behaviour.errors
+        if not share:
+            return None
+        self._error_debt += share
+        if self._error_debt < 1.0:
+            return None
+        self._error_debt -= 1.0
+        # trtllm-serve's own shape for a failed generation (openai_protocol.ErrorResponse).
+        message = f"stand-in bad version: {BEHAVIOUR_FILE} says errors={share:g}"
+        body = {
+            "object": "error",
+            "message": message,
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+        return JSONResponse(body, status_code=500)
+
     async def completions(self, request: Request) -> Response:
         if not self.ready or self.draining:
             return error_response(503, "the engine is shutting down")
+        if (failed := self._bad_version_error()) is not None:
+            return failed
         body = await self._body(request, CompletionBody)
         if isinstance(body, Response):
             return body
@@ -302,6 +340,8 @@ class StandinServer:
     async def chat_completions(self, request: Request) -> Response:
         if not self.ready or self.draining:
             return error_response(503, "the engine is shutting down")
+        if (failed := self._bad_version_error()) is not None:
+            return failed
         body = await self._body(request, ChatBody)
         if isinstance(body, Response):
             return body
@@ -326,7 +366,8 @@ class StandinServer:
             max_tokens=max_tokens,
             stop=body.stops(),
             ignore_eos=body.ignore_eos,
-            seed=body.seed,
+            # A bad version's "wrong_answers": greedy decoding no longer gives the same text.
+            seed=self._rng.getrandbits(31) if self.behaviour.wrong_answers else body.seed,
         )
         try:
             ch = self._submit(spec)
@@ -463,6 +504,11 @@ async def serve(settings: Settings, sock: socket.socket) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    if settings.weights is not None:
+        read = await _read_weights(settings, stop)
+        if read is None:
+            log.info("stand-in stopped while reading its weights")
+            return 0
     load_wall = settings.load_s / settings.speedup
     shape = settings.core.shape
     log.info(
@@ -532,6 +578,45 @@ async def serve(settings: Settings, sock: socket.socket) -> int:
     return 1 if failed else 0
 
 
+async def _read_weights(settings: Settings, stop: asyncio.Event) -> tuple[int, float] | None:
+    """Read the checkpoint's files once (real I/O: load time follows the disk); None when
+    stopped meanwhile. A file that cannot be read ends the stand-in (WeightsError)."""
+    weights = settings.weights
+    assert weights is not None
+    log.info(
+        "stand-in reading %d file(s), %.1f MB, of %s%s",
+        len(weights.files),
+        weights.bytes / 1e6,
+        weights.path,
+        f" at most {settings.read_mb_s:g} MB/s" if settings.read_mb_s else "",
+    )
+    if weights.behaviour.bad:
+        log.warning(
+            "stand-in BAD VERSION (%s in %s): %s",
+            BEHAVIOUR_FILE,
+            weights.path,
+            weights.behaviour.describe(),
+        )
+    halt = threading.Event()
+    reading = asyncio.ensure_future(asyncio.to_thread(read_all, weights, settings.read_mb_s, halt))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not reading.done():
+        halt.set()
+        with contextlib.suppress(Exception):
+            await reading
+        return None
+    stopping.cancel()
+    done, seconds = reading.result()
+    log.info(
+        "stand-in read %.1f MB in %.2f s (%.0f MB/s)",
+        done / 1e6,
+        seconds,
+        done / 1e6 / max(seconds, 1e-9),
+    )
+    return done, seconds
+
+
 def _engine_died(task: asyncio.Task[None], stop: asyncio.Event) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("stand-in %s failed", task.get_name(), exc_info=task.exception())
@@ -546,7 +631,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="[%(asctime)s] %(levelname)s %(message)s")
     try:
         settings = build_settings(args, os.environ)
-    except ConfigError as exc:
+        settings = dataclasses.replace(
+            settings,
+            weights=find_weights(args.model, os.environ),
+            read_mb_s=read_mb_s(os.environ),
+        )
+    except (ConfigError, WeightsError) as exc:
         print(f"stand-in: {exc}", file=sys.stderr)
         return 1
     try:
@@ -555,4 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stand-in: failed to bind {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 1
     with sock:
-        return asyncio.run(serve(settings, sock))
+        try:
+            return asyncio.run(serve(settings, sock))
+        except WeightsError as exc:
+            print(f"stand-in: {exc}", file=sys.stderr)
+            return 1

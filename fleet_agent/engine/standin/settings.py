@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from fleet_agent.engine.core import CoreConfig
+from fleet_agent.engine.standin.weights import Weights
 from fleet_agent.telemetry import sim_gpu_state
 from fleet_core import cost_model
 
@@ -89,6 +90,10 @@ class Settings:
     # limits in, this engine's power out. None: no limit, power only on /prometheus/metrics.
     gpu_state_dir: Path | None = None
     gpu_indexes: tuple[int, ...] = (0,)  # the GPUs it runs on (CUDA_VISIBLE_DEVICES)
+    # The checkpoint directory read at load (weights.py; None: a name, nothing to read) and
+    # the read rate cap (MB/s; None: as fast as the disk goes).
+    weights: Weights | None = None
+    read_mb_s: float | None = None
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float, minimum: float) -> float:
@@ -107,7 +112,7 @@ def _env_float(env: Mapping[str, str], name: str, default: float, minimum: float
 def served_model_name(model: str) -> str:
     """As trtllm-serve: a checkpoint directory serves under its base name, anything else (a
     Hugging Face name) as is. An absolute path counts as a checkpoint directory even where it
-    does not exist: on a real host it would, and the stand-in loads nothing from it."""
+    does not exist (main() refuses it then, unless FLEET_STANDIN_MISSING_WEIGHTS=ignore)."""
     path = Path(model)
     return path.name if path.is_dir() or path.is_absolute() else model
 
