@@ -88,11 +88,6 @@ def _bmc(kind: ServerKind, index: int, rng: random.Random) -> dict[str, Any]:
     }
 
 
-def _cached(kind: ServerKind, rng: random.Random) -> list[str]:
-    choices = [URI_8B] if kind.gpu_model == "L40S" else [URI_8B, URI_70B]
-    return [uri for uri in choices if rng.random() < 0.4]
-
-
 def _site_name(index: int) -> str:
     return f"{CITIES[index % len(CITIES)]}{index // len(CITIES) + 1}"
 
@@ -157,7 +152,6 @@ def generate(servers: int, seed: int = 0) -> dict[str, Any]:
                         "max_w": kind.max_w,
                     },
                     "pool": "warm" if rng.random() < WARM_SHARE else "baseline",
-                    "models_cached": _cached(kind, rng),
                 }
             )
             made += 1

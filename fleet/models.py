@@ -675,6 +675,75 @@ class ModelArtifact(SQLModel, table=True):
     tp_size: int | None = Field(default=None)
 
 
+# A model's or version's name: one path component on every agent's disk (fleet_core.weights).
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+MAX_ARTIFACTS = 1000
+
+
+class ModelArtifactCreate(SQLModel):
+    """One file of a new version (`POST /models`, the inventory's `models:`). The service
+    checks what the schema cannot: the URI's scheme, the name as a path, sha256 and size
+    required unless the format is external (fleet/catalog/versions.py)."""
+
+    model_config = SQLModelConfig(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=255)
+    uri: str = Field(min_length=1, max_length=1000)
+    sha256: str | None = Field(default=None, min_length=1, max_length=64)
+    size_bytes: int | None = Field(default=None, ge=0, le=2**62)
+    format: ArtifactFormat = ArtifactFormat.HF_SAFETENSORS
+    gpu_model: str | None = Field(default=None, min_length=1, max_length=32)
+    tp_size: OptInt = Field(default=None, ge=1, le=64)
+
+
+class ModelVersionCreate(SQLModel):
+    model_config = SQLModelConfig(extra="forbid")
+
+    model: str = Field(max_length=63, schema_extra={"pattern": MODEL_NAME_PATTERN})
+    version: str = Field(max_length=63, schema_extra={"pattern": MODEL_NAME_PATTERN})
+    description: str = Field(default="", max_length=500)
+    artifacts: list[ModelArtifactCreate] = Field(min_length=1, max_length=MAX_ARTIFACTS)
+
+
+class ModelArtifactPublic(SQLModel):
+    name: str
+    uri: str
+    sha256: str | None
+    size_bytes: int | None
+    format: ArtifactFormat
+    gpu_model: str | None
+    tp_size: int | None
+
+
+class VersionHolder(SQLModel):
+    """A server whose agent reported the version in its cache, and in which state."""
+
+    server: str
+    state: str  # ready | fetching | failed
+    bytes: int = 0
+    total_bytes: int | None = None
+    verified_at: datetime | None = None
+    error: str | None = None
+    reported_at: datetime | None = None
+
+
+class ModelVersionPublic(SQLModel):
+    key: str  # "<model>@<version>"
+    model: str
+    version: str
+    description: str
+    digest: str
+    size_bytes: int
+    external: bool  # weights delivered outside Fleet: never fetched
+    created_by: str
+    created_at: datetime
+    artifacts: list[ModelArtifactPublic] = []
+    # Deployments serving it ("stable") or rolling it out ("canary"), and the servers holding it
+    # in their cache (`GET /models/{model}/versions/{version}` only; lists leave them empty).
+    deployments: list[dict[str, str]] = []
+    cached_on: list[VersionHolder] = []
+
+
 # ---------------------------------------------------------------------------------------------
 # Deployments
 
@@ -815,10 +884,20 @@ class Deployment(DeploymentBase, table=True):
 
 
 class DeploymentCreate(DeploymentBase):
-    """A new deployment; `deployment_rule_problems` checks it across fields."""
+    """A new deployment; `deployment_rule_problems` checks it across fields. It serves a model
+    version (`model_version`: "<model>@<version>", fleet/catalog/), or, as before versions,
+    weights named by `model_uri` and `model_checksum`: an `external` version is made (or
+    reused) for them. One or the other (the service says so with a 400)."""
 
     model_config = SQLModelConfig(extra="forbid")
 
+    model_uri: str | None = Field(  # type: ignore[assignment]
+        default=None, min_length=1, max_length=1000
+    )
+    model_checksum: str | None = Field(  # type: ignore[assignment]
+        default=None, min_length=1, max_length=200
+    )
+    model_version: str | None = Field(default=None, min_length=3, max_length=127)
     engine_params: EngineParams = Field(default_factory=dict)
     gpu_models: GpuModelNames = Field(default_factory=list)
 
@@ -842,6 +921,9 @@ class DeploymentUpdate(_Update):
     sla_ttft_ms: OptNumber = Field(default=None, ge=1, le=MAX_SLA_MS)
     disruption_budget: OptInt = Field(default=None, ge=1, le=MAX_REPLICAS)
     cached_spares: OptInt = Field(default=None, ge=0, le=MAX_REPLICAS)
+    # Serve another version at once, on every server (no canary): `fleetctl deployments
+    # rollout` moves servers step by step instead. 409 while a rollout runs.
+    model_version: str | None = Field(default=None, min_length=3, max_length=127)
 
 
 class DeploymentPublic(DeploymentBase):
@@ -1006,6 +1088,9 @@ class RouterReport(SQLModel, table=True):
     waiting: int = Field(default=0, ge=0)
     p95_s: float | None = None
     ttft_p95_s: float | None = None
+    # Per model version ("<model>@<version>" → requests and errors answered by replicas of it
+    # since the router started, p95s of the last minute): a rollout's analysis (fleet/rollout/).
+    versions: dict[str, Any] = _json(dict)
 
 
 class PowerSample(SQLModel, table=True):

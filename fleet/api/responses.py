@@ -98,7 +98,7 @@ class WarmSpare(BaseModel):
     rack_headroom_w: float
     fits: bool  # whether that keeps the rack within its budget
     boot_to_ready_s: float | None  # measured; null before its first boot
-    models_cached: list[str]
+    versions_cached: list[str]  # "<model>@<version>" its agent reported verified in its cache
 
 
 class WarmPoolGroup(BaseModel):
@@ -193,6 +193,16 @@ class RoutableReplica(BaseModel):
     index: int | None
     url: str
     state: str | None
+    version: str | None = None  # "<model>@<version>" the replica runs (fleet/rollout/)
+
+
+class RouteVersions(BaseModel):
+    """The versions a deployment serves: routers send `canary_weight` of its requests to the
+    canary's replicas during a rollout (docs/router.md)."""
+
+    stable: str | None = None
+    canary: str | None = None
+    canary_weight: float = 0.0
 
 
 class DeploymentRoutes(BaseModel):
@@ -204,6 +214,7 @@ class DeploymentRoutes(BaseModel):
     sla_p95_latency_ms: float
     sla_ttft_ms: float
     replicas: list[RoutableReplica]
+    versions: RouteVersions = RouteVersions()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from fleet.cli.common import (
 deployments_app = typer_app("Deployments (served models).")
 DEPLOYMENT_COLUMNS = [
     ("name", "deployment"),
-    ("model_uri", "model"),
+    ("model_version", "version"),
+    ("canary_version", "canary"),
     ("gpus_per_replica", "GPUs/replica #"),
     ("gpu_models", "GPU models"),
     ("min_replicas", "min #"),
@@ -67,8 +68,6 @@ def _engine_params(pairs: list[str]) -> dict[str, Any]:
 @handled
 def deployments_create(
     name: str,
-    model_uri: Annotated[str, typer.Option("--model-uri", help="Where the weights are.")],
-    checksum: Annotated[str, typer.Option("--checksum", help="e.g. sha256:…")],
     sla_p95_ms: Annotated[float, typer.Option("--sla-p95-ms", help="p95 latency SLA.")],
     sla_ttft_ms: Annotated[float, typer.Option("--sla-ttft-ms", help="Time-to-first-token SLA.")],
     gpus_per_replica: Annotated[int, typer.Option("--gpus-per-replica")] = 1,
@@ -79,18 +78,42 @@ def deployments_create(
     max_replicas: Annotated[int, typer.Option("--max")] = 1,
     disruption_budget: Annotated[int, typer.Option("--disruption-budget")] = 1,
     engine: Annotated[list[str] | None, typer.Option("--engine", help="KEY=VALUE; repeat.")] = None,
+    model_version: Annotated[
+        str | None,
+        typer.Option("--model-version", help="<model>@<version> (fleetctl models list)."),
+    ] = None,
+    model_uri: Annotated[
+        str | None,
+        typer.Option("--model-uri", help="Weights delivered outside Fleet (with --checksum)."),
+    ] = None,
+    checksum: Annotated[str | None, typer.Option("--checksum", help="e.g. sha256:…")] = None,
+    cached_spares: Annotated[
+        int, typer.Option("--cached-spares", help="Warm spares per GPU model holding it.")
+    ] = 0,
     url: Url = DEFAULT_URL,
     token: Token = None,
     output: Out = Output.TABLE,
 ) -> None:
-    """Create a deployment."""
+    """Create a deployment serving --model-version (or, as before versions, the weights at
+    --model-uri with --checksum)."""
+    if (model_version is None) == (model_uri is None and checksum is None):
+        raise CliError(
+            "give --model-version <model>@<version>, or --model-uri and --checksum (weights "
+            "delivered outside Fleet)"
+        )
+    if model_version is None and (model_uri is None or checksum is None):
+        raise CliError("--model-uri and --checksum go together")
     params = _engine_params(engine or [])
     params.setdefault("tp_size", gpus_per_replica)
     params.setdefault("pp_size", 1)
+    model = (
+        {"model_version": model_version}
+        if model_version is not None
+        else {"model_uri": model_uri, "model_checksum": checksum}
+    )
     body = {
         "name": name,
-        "model_uri": model_uri,
-        "model_checksum": checksum,
+        **model,
         "engine_params": params,
         "gpus_per_replica": gpus_per_replica,
         "gpu_models": gpu_model or [],
@@ -99,6 +122,7 @@ def deployments_create(
         "sla_p95_latency_ms": sla_p95_ms,
         "sla_ttft_ms": sla_ttft_ms,
         "disruption_budget": disruption_budget,
+        "cached_spares": cached_spares,
     }
     show(api_client(url, token).request("POST", "/api/v1/deployments", json=body), output)
 

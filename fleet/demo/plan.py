@@ -76,7 +76,6 @@ def demo_inventory(full: dict[str, Any], servers: int) -> dict[str, Any]:
             picked = deepcopy(rack["servers"][:servers])
             for server in picked:
                 server["pool"] = "warm"
-                server.pop("models_cached", None)
                 bmc = server["bmc"]
                 # The lab points every BMC at its emulator; only the protocol matters here.
                 server["bmc"] = {

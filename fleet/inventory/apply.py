@@ -14,11 +14,19 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ValidationError
 from sqlmodel import Session, select
 
+from fleet.catalog.refs import artifacts_of, is_external, set_deployment_version
+from fleet.catalog.versions import (
+    add_version,
+    external_version,
+    legacy_digest,
+    same_content,
+    version_problems,
+)
 from fleet.crypto import SecretBox
 from fleet.errors import ForbiddenError, RulesBroken
 from fleet.events import record_update
 from fleet.inventory.gpu_models import BUILTIN
-from fleet.inventory.schema import DeploymentIn, InventoryFile, ServerIn, bounded
+from fleet.inventory.schema import DeploymentIn, InventoryFile, ModelVersionIn, ServerIn, bounded
 from fleet.inventory.servers import (
     NO_PASSWORD,
     BmcEndpoint,
@@ -32,6 +40,8 @@ from fleet.models import (
     Event,
     Gpu,
     GpuModelSpec,
+    ModelVersion,
+    ModelVersionCreate,
     PowerFeed,
     Rack,
     Server,
@@ -43,8 +53,16 @@ from fleet.power.budget import Feed, ServerDraw, rack_power, side_watts
 from fleet.power.racks import to_feed
 from fleet.validation import messages_under
 
-Kind = Literal["gpu_model", "site", "rack", "feed", "server", "deployment"]
-KINDS: tuple[Kind, ...] = ("gpu_model", "site", "rack", "feed", "server", "deployment")
+Kind = Literal["gpu_model", "model_version", "site", "rack", "feed", "server", "deployment"]
+KINDS: tuple[Kind, ...] = (
+    "gpu_model",
+    "model_version",
+    "site",
+    "rack",
+    "feed",
+    "server",
+    "deployment",
+)
 
 
 class Change(BaseModel):
@@ -92,6 +110,10 @@ class _Plan:
     feeds: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     servers: dict[str, _ServerRow] = field(default_factory=dict)
     deployments: dict[str, DeploymentCreate] = field(default_factory=dict)
+    # Model versions by "<model>@<version>" (fleet/catalog/), and every GPU model name the
+    # import knows (built in, in the fleet, in the file): artifacts may be built for one.
+    models: dict[str, ModelVersionCreate] = field(default_factory=dict)
+    known_gpus: set[str] = field(default_factory=set)
     # Where each row came from in the file, for error messages.
     places: dict[tuple[str, str], str] = field(default_factory=dict)
     # Existing servers whose stored BMC password the import replaces ("set") or drops
@@ -112,6 +134,9 @@ class _Existing:
     feeds: dict[tuple[int, str], PowerFeed]
     servers: dict[str, Server]
     deployments: dict[str, Deployment]
+    # Model versions by "<model>@<version>", and each one's key by id.
+    models: dict[str, ModelVersion] = field(default_factory=dict)
+    version_keys: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, session: Session) -> _Existing:
@@ -122,6 +147,7 @@ class _Existing:
             feeds={(f.rack_id, f.name): f for f in session.exec(select(PowerFeed))},
             servers={s.name: s for s in session.exec(select(Server))},
             deployments={d.name: d for d in session.exec(select(Deployment))},
+            models={f"{v.model}@{v.version}": v for v in session.exec(select(ModelVersion))},
         )
 
 
@@ -147,7 +173,6 @@ def _server_spec(server: ServerIn, rack: str, where: str, errors: list[str]) -> 
             standby_w=server.power.standby_w,
             max_w=server.power.max_w,
             pool=server.pool,
-            models_cached=list(server.models_cached),
             # Without a block these are the defaults, and `kept` (below) leaves the fleet's.
             ssh_address=server.ssh.address if server.ssh else None,
             ssh_port=server.ssh.port if server.ssh else 22,
@@ -159,11 +184,19 @@ def _server_spec(server: ServerIn, rack: str, where: str, errors: list[str]) -> 
 
 
 def _deployment_spec(dep: DeploymentIn, where: str, errors: list[str]) -> DeploymentCreate | None:
+    if (dep.model_version is None) == (dep.model is None):
+        errors.append(
+            f'{where}: give model_version ("<model>@<version>", under models: or in the '
+            "fleet) or model: {uri, checksum} (weights delivered outside Fleet), one of the two"
+        )
+        return None
     try:
         spec = DeploymentCreate(
             name=dep.name,
-            model_uri=dep.model.uri,
-            model_checksum=dep.model.checksum,
+            model_version=dep.model_version,
+            model_uri=dep.model.uri if dep.model else None,
+            model_checksum=dep.model.checksum if dep.model else None,
+            cached_spares=dep.cached_spares,
             engine_params=dict(dep.engine),
             gpus_per_replica=dep.gpus_per_replica,
             gpu_models=list(dep.gpu_models),
@@ -179,6 +212,10 @@ def _deployment_spec(dep: DeploymentIn, where: str, errors: list[str]) -> Deploy
     problems = spec.rule_problems()
     errors.extend(f"{where}: {problem}" for problem in problems)
     return None if problems else spec
+
+
+def _version_spec(model: ModelVersionIn) -> ModelVersionCreate:
+    return ModelVersionCreate.model_validate(model.model_dump())
 
 
 def _collect(inv: InventoryFile, existing: _Existing, errors: list[str]) -> _Plan:
@@ -252,6 +289,13 @@ def _collect(inv: InventoryFile, existing: _Existing, errors: list[str]) -> _Pla
             unique("server", racked.name, where)
             continue
         add_server(racked, racked.rack, where)
+
+    for mi, model in enumerate(inv.models):
+        where = f"models[{mi}]"
+        key = f"{model.model}@{model.version}"
+        if unique("model version", key, where):
+            plan.models[key] = _version_spec(model)
+            plan.places[("model_version", key)] = where
 
     for di, dep in enumerate(inv.deployments):
         where = f"deployments[{di}]"
@@ -345,12 +389,66 @@ def _check(plan: _Plan, existing: _Existing, errors: list[str]) -> None:
                     f"{plan.places[('deployment', name)]}.gpu_models: "
                     f"unknown GPU model {model!r} (known: {known_help})"
                 )
+    plan.known_gpus = set(known_gpus)
+
+
+def _check_models(session: Session, plan: _Plan, existing: _Existing, errors: list[str]) -> None:
+    """Model versions: their files (as `POST /models` checks them), immutability against the
+    fleet's, and the version each deployment names."""
+    existing.version_keys = {v.id: k for k, v in existing.models.items() if v.id is not None}
+    for key, spec in plan.models.items():
+        where = plan.places[("model_version", key)]
+        errors.extend(version_problems(spec, plan.known_gpus, f"{where}."))
+        row = existing.models.get(key)
+        if row is not None and not same_content(session, row, spec):
+            errors.append(
+                f"{where}: model version {key} exists in the fleet with other files: versions "
+                "are immutable, give these files a new version name"
+            )
+    for name, dep in plan.deployments.items():
+        where = plan.places[("deployment", name)]
+        if dep.model_version is not None and (
+            dep.model_version not in plan.models and dep.model_version not in existing.models
+        ):
+            errors.append(
+                f"{where}.model_version: no model version {dep.model_version!r} in this file "
+                "(models:) or the fleet (fleetctl models list)"
+            )
+        dobj = existing.deployments.get(name)
+        if (
+            dobj is not None
+            and dobj.canary_version_id is not None
+            and _version_changes(session, dobj, dep, existing)
+        ):
+            errors.append(
+                f"{where}: deployment {name} is rolling out a version: let it finish or roll "
+                "it back before the file changes its version"
+            )
+
+
+def _version_changes(
+    session: Session, dobj: Deployment, dep: DeploymentCreate, existing: _Existing
+) -> bool:
+    """Whether importing `dep` changes the version the deployment serves."""
+    current = existing.version_keys.get(dobj.model_version_id or 0)
+    if dep.model_version is not None:
+        return current != dep.model_version
+    assert dep.model_uri is not None and dep.model_checksum is not None
+    row = existing.models.get(current or "")
+    external = row is not None and is_external(artifacts_of(session, row))
+    same = (dobj.model_uri, dobj.model_checksum) == (
+        dep.model_uri,
+        legacy_digest(dep.model_checksum),
+    )
+    return not (external and same)
 
 
 # ---------------------------------------------------------------------------------------------
 # Diff and apply
 
 
+# A deployment's fields that name its version: set through the catalog, not copied.
+_VERSION_FIELDS = frozenset({"model_version", "model_uri", "model_checksum"})
 # A rack's fields an import sets; the budget mode and margin only where the file gives them.
 _RACK_POWER_FIELDS = ("budget_mode", "budget_margin")
 _RACK_FIELDS = ("u_height", "status", "description", *_RACK_POWER_FIELDS)
@@ -452,6 +550,7 @@ def plan(
     errors: list[str] = []
     desired = _collect(inv, existing, errors)
     _check(desired, existing, errors)
+    _check_models(session, desired, existing, errors)
     if errors:
         raise RulesBroken(bounded(errors), total=len(errors))
 
@@ -473,6 +572,14 @@ def plan(
     for name, g in desired.gpu_models.items():
         gobj = existing.gpu_models.get(name)
         record("gpu_model", name, gobj, _diff(gobj, g) if gobj else [])
+    for key, spec in desired.models.items():
+        vobj = existing.models.get(key)
+        record(
+            "model_version",
+            key,
+            vobj,
+            ["description"] if vobj and vobj.description != spec.description else [],
+        )
     for name, s in desired.sites.items():
         siteobj = existing.sites.get(name)
         record("site", name, siteobj, _diff(siteobj, s) if siteobj else [])
@@ -513,9 +620,12 @@ def plan(
         record("server", name, sobj, fields)
     for name, d in desired.deployments.items():
         dobj = existing.deployments.get(name)
-        record(
-            "deployment", name, dobj, _diff(dobj, d.model_dump(exclude={"name"})) if dobj else []
-        )
+        fields = []
+        if dobj is not None:
+            fields = _diff(dobj, d.model_dump(exclude={"name", *_VERSION_FIELDS}))
+            if _version_changes(session, dobj, d, existing):
+                fields.append("model_version")
+        record("deployment", name, dobj, fields)
 
     dropped = sorted(n for n, p in desired.passwords.items() if p == "dropped")
     report = ImportReport(
@@ -570,6 +680,17 @@ def _apply(
             for k, v in g.items():
                 setattr(gobj, k, v)
             session.add(gobj)
+
+    versions = dict(existing.models)
+    for key, spec in desired.models.items():
+        if ("model_version", key) not in touched:
+            continue
+        vobj = versions.get(key)
+        if vobj is None:
+            versions[key] = add_version(session, spec, actor, known_gpus=desired.known_gpus)
+        else:
+            vobj.description = spec.description
+            session.add(vobj)
 
     sites = dict(existing.sites)
     for name, s in desired.sites.items():
@@ -645,13 +766,23 @@ def _apply(
     _insert_gpus(session, new_servers)
 
     for name, dspec in desired.deployments.items():
-        if ("deployment", name) in touched:
-            values = dspec.model_dump(exclude={"name"})
-            dep = existing.deployments.get(name) or Deployment(name=name, **values)
-            for k, v in values.items():
-                setattr(dep, k, v)
-            dep.updated_at = now
-            session.add(dep)
+        if ("deployment", name) not in touched:
+            continue
+        if dspec.model_version is not None:
+            version = versions[dspec.model_version]
+        else:
+            assert dspec.model_uri is not None and dspec.model_checksum is not None
+            version = external_version(session, dspec.model_uri, dspec.model_checksum, actor)
+        values = dspec.model_dump(exclude={"name", *_VERSION_FIELDS})
+        dep = existing.deployments.get(name) or Deployment(
+            name=name, model_uri=version.model, model_checksum=version.digest, **values
+        )
+        for k, v in values.items():
+            setattr(dep, k, v)
+        if dep.model_version_id != version.id:
+            set_deployment_version(session, dep, version)
+        dep.updated_at = now
+        session.add(dep)
 
     if report.changes:
         session.add(

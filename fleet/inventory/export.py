@@ -7,7 +7,17 @@ from typing import Any
 import yaml
 from sqlmodel import Session, col, select
 
-from fleet.models import Deployment, GpuModelSpec, PowerFeed, Rack, Server, Site
+from fleet.models import (
+    ArtifactFormat,
+    Deployment,
+    GpuModelSpec,
+    ModelArtifact,
+    ModelVersion,
+    PowerFeed,
+    Rack,
+    Server,
+    Site,
+)
 
 
 def export_inventory(session: Session) -> dict[str, Any]:
@@ -25,6 +35,9 @@ def export_inventory(session: Session) -> dict[str, Any]:
     specs = list(session.exec(select(GpuModelSpec).order_by(GpuModelSpec.name)))
     if specs:
         doc["gpu_models"] = [g.model_dump(exclude={"id"}) for g in specs]
+    versions, external = _versions(session)
+    if versions:
+        doc["models"] = versions
     doc["sites"] = [
         {
             "name": site.name,
@@ -45,8 +58,10 @@ def export_inventory(session: Session) -> dict[str, Any]:
         }
         for site in session.exec(select(Site).order_by(Site.name))
     ]
+    keys = {v.id: f"{v.model}@{v.version}" for v in session.exec(select(ModelVersion)) if v.id}
     doc["deployments"] = [
-        _deployment(d) for d in session.exec(select(Deployment).order_by(Deployment.name))
+        _deployment(d, keys, external)
+        for d in session.exec(select(Deployment).order_by(Deployment.name))
     ]
     return doc
 
@@ -89,7 +104,6 @@ def _server(s: Server) -> dict[str, Any]:
             "gpu": {"model": s.gpu_model, "count": s.gpu_count, "memory_mib": s.gpu_memory_mib},
             "power": {"idle_w": s.idle_w, "standby_w": s.standby_w, "max_w": s.max_w},
             "pool": str(s.pool),
-            "models_cached": list(s.models_cached),
         }
     )
     if s.ssh_address is not None:
@@ -100,14 +114,53 @@ def _server(s: Server) -> dict[str, Any]:
     return out
 
 
-def _deployment(d: Deployment) -> dict[str, Any]:
+def _versions(session: Session) -> tuple[list[dict[str, Any]], set[int]]:
+    """The catalog's versions with their files, and the ids of the external ones: those are
+    written as their deployments' `model: {uri, checksum}` (re-imported, the same one)."""
+    files: dict[int, list[ModelArtifact]] = {}
+    for a in session.exec(
+        select(ModelArtifact).order_by(col(ModelArtifact.name), col(ModelArtifact.id))
+    ):
+        files.setdefault(a.version_id, []).append(a)
+    out: list[dict[str, Any]] = []
+    external: set[int] = set()
+    for v in session.exec(
+        select(ModelVersion).order_by(col(ModelVersion.model), col(ModelVersion.created_at))
+    ):
+        artifacts = files.get(v.id or -1, [])
+        if any(a.format is ArtifactFormat.EXTERNAL for a in artifacts):
+            external.add(v.id or -1)
+            continue
+        entry: dict[str, Any] = {"model": v.model, "version": v.version}
+        if v.description:
+            entry["description"] = v.description
+        entry["artifacts"] = [_artifact(a) for a in artifacts]
+        out.append(entry)
+    return out, external
+
+
+def _artifact(a: ModelArtifact) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": a.name, "uri": a.uri}
+    for key in ("sha256", "size_bytes", "gpu_model", "tp_size"):
+        if (value := getattr(a, key)) is not None:
+            out[key] = value
+    out["format"] = str(a.format)
+    return out
+
+
+def _deployment(d: Deployment, keys: dict[int, str], external: set[int]) -> dict[str, Any]:
+    if d.model_version_id is not None and d.model_version_id not in external:
+        model: dict[str, Any] = {"model_version": keys[d.model_version_id]}
+    else:
+        model = {"model": {"uri": d.model_uri, "checksum": d.model_checksum}}
     return {
         "name": d.name,
-        "model": {"uri": d.model_uri, "checksum": d.model_checksum},
+        **model,
         "engine": dict(d.engine_params),
         "gpus_per_replica": d.gpus_per_replica,
         "gpu_models": list(d.gpu_models),
         "replicas": {"min": d.min_replicas, "max": d.max_replicas},
         "sla": {"p95_latency_ms": d.sla_p95_latency_ms, "ttft_ms": d.sla_ttft_ms},
         "disruption_budget": d.disruption_budget,
+        "cached_spares": d.cached_spares,
     }

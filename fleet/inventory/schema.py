@@ -6,7 +6,7 @@ Errors never echo the offending value: a bad row may be a BMC password.
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
 import yaml
 from pydantic import (
@@ -19,22 +19,25 @@ from pydantic import (
     StringConstraints,
     ValidationError,
     WithJsonSchema,
+    model_validator,
 )
 
 from fleet.errors import ValidationFailed
 from fleet.models import (
     INT32_MAX,
+    MAX_ARTIFACTS,
     MAX_REPLICAS,
     MAX_SLA_MS,
     MAX_WATTS,
+    MODEL_NAME_PATTERN,
     NAME_PATTERN,
+    ArtifactFormat,
     BmcProtocol,
     BudgetMode,
     EngineParams,
     FeedSide,
     GpuModelNames,
     Int,
-    ModelUris,
     Number,
     OptInt,
     OptNumber,
@@ -120,9 +123,19 @@ class ServerIn(_Strict):
     gpu: GpuIn
     power: PowerIn
     pool: Pool = Pool.WARM
-    models_cached: ModelUris = Field(default_factory=list)
     # Left out: the fleet's SSH address, port and pinned key stay as they are.
     ssh: SshIn | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_models_cached(cls, data: Any) -> Any:
+        # The static list of cached models is gone: agents report their cache (docs/weights.md).
+        if isinstance(data, dict) and "models_cached" in data:
+            raise ValueError(
+                "models_cached is no longer part of the inventory: each server's agent "
+                "reports the model versions in its weights cache (docs/weights.md); remove it"
+            )
+        return data
 
 
 class RackedServerIn(ServerIn):
@@ -164,8 +177,36 @@ class SiteIn(_Strict):
 
 
 class ModelRefIn(_Strict):
+    """Weights named by a URI and a checksum, delivered outside Fleet (as before model
+    versions): the import makes (or reuses) an `external` version for them."""
+
     uri: Annotated[str, StringConstraints(min_length=1, max_length=1000)]
     checksum: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+
+ModelName = Annotated[str, StringConstraints(pattern=MODEL_NAME_PATTERN, max_length=63)]
+
+
+class ArtifactIn(_Strict):
+    """One file of a model version (fleet/catalog/versions.py checks the URI's scheme, the name
+    as a relative path, and sha256 and size, required unless the format is external)."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=255)]
+    uri: Annotated[str, StringConstraints(min_length=1, max_length=1000)]
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
+    size_bytes: OptInt = Field(default=None, ge=0)
+    format: ArtifactFormat = ArtifactFormat.HF_SAFETENSORS
+    gpu_model: Annotated[str, StringConstraints(min_length=1, max_length=32)] | None = None
+    tp_size: OptInt = Field(default=None, ge=1, le=64)
+
+
+class ModelVersionIn(_Strict):
+    """A model version (immutable: re-importing it with other files is refused)."""
+
+    model: ModelName
+    version: ModelName
+    description: Description = ""
+    artifacts: list[ArtifactIn] = Field(min_length=1, max_length=MAX_ARTIFACTS)
 
 
 class ReplicasIn(_Strict):
@@ -180,7 +221,10 @@ class SlaIn(_Strict):
 
 class DeploymentIn(_Strict):
     name: Name
-    model: ModelRefIn
+    # The version it serves ("<model>@<version>", under `models:` or in the fleet), or, as
+    # before versions, `model: {uri, checksum}`: one of the two.
+    model_version: Annotated[str, StringConstraints(min_length=3, max_length=127)] | None = None
+    model: ModelRefIn | None = None
     # Checked as the agent checks them (fleet_core/engine_command.py) and bounded in size.
     engine: EngineParams = Field(default_factory=dict)
     gpus_per_replica: Int = Field(default=1, ge=1, le=64)
@@ -188,10 +232,13 @@ class DeploymentIn(_Strict):
     replicas: ReplicasIn = Field(default_factory=ReplicasIn)
     sla: SlaIn
     disruption_budget: Int = Field(default=1, ge=1, le=MAX_REPLICAS)
+    # Warm spares per allowed GPU model kept holding its version (pre-staged).
+    cached_spares: Int = Field(default=0, ge=0, le=MAX_REPLICAS)
 
 
 class InventoryFile(_Strict):
     gpu_models: list[GpuModelIn] = Field(default_factory=list)
+    models: list[ModelVersionIn] = Field(default_factory=list)
     sites: list[SiteIn] = Field(default_factory=list)
     servers: list[RackedServerIn] = Field(default_factory=list)
     deployments: list[DeploymentIn] = Field(default_factory=list)
@@ -211,13 +258,15 @@ _Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_ENTRIES = 25_000
 MAX_NODES = 750_000
 MAX_ERRORS = 100  # listed in a refusal; the rest are counted
-ENTRY_LISTS = frozenset({"gpu_models", "sites", "racks", "feeds", "servers", "deployments"})
+ENTRY_LISTS = frozenset(
+    {"gpu_models", "models", "artifacts", "sites", "racks", "feeds", "servers", "deployments"}
+)
 # Control characters (and lone surrogates, which no database stores) are refused in every
 # string: they would reach terminals and logs. Descriptions alone may span lines.
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 CONTROL_OR_BREAK = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 MULTILINE_KEYS = frozenset({"description"})
-TOP_LEVEL = "(top level): must be a mapping with sites, servers, deployments or gpu_models"
+TOP_LEVEL = "(top level): must be a mapping with sites, servers, deployments, models or gpu_models"
 
 
 def bounded(errors: list[str]) -> list[str]:
@@ -274,8 +323,9 @@ def _scan(text: str | bytes) -> None:
                 if entries > MAX_ENTRIES:
                     raise ValidationFailed(
                         [
-                            f"{place}: more than {MAX_ENTRIES} entries (GPU models, sites, racks, "
-                            "feeds, servers, deployments): split the file and import each part"
+                            f"{place}: more than {MAX_ENTRIES} entries (GPU models, models, "
+                            "artifacts, sites, racks, feeds, servers, deployments): split the "
+                            "file and import each part"
                         ]
                     )
         if parent is not None:

@@ -9,6 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
+from fleet.catalog.refs import server_version_id
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, ForbiddenError, NotFoundError
 from fleet.events import record_update, set_fields
@@ -18,6 +19,7 @@ from fleet.models import (
     Event,
     Gpu,
     GpuPublic,
+    ModelVersion,
     Pool,
     Rack,
     Server,
@@ -26,6 +28,7 @@ from fleet.models import (
     Site,
     utcnow,
 )
+from fleet_core.weights import version_key
 
 # ---------------------------------------------------------------------------------------------
 # BMC credentials stay with the BMC they were given for (docs/design.md)
@@ -128,9 +131,10 @@ class ServerFilter:
 
 
 def _with_place() -> Any:
-    """Servers with their rack and site names, and the deployment they serve (if any)."""
+    """Servers with their rack and site names, the deployment they serve (if any) and its
+    model version."""
     return (
-        select(Server, Rack.name, Site.name, Deployment.name)
+        select(Server, Rack.name, Site.name, Deployment)
         .select_from(Server)
         .join(Rack, col(Rack.id) == Server.rack_id)
         .join(Site, col(Site.id) == Rack.site_id)
@@ -138,14 +142,33 @@ def _with_place() -> Any:
     )
 
 
-def _public(server: Server, rack: str, site: str, deployment: str | None) -> ServerPublic:
+def _version_keys(session: Session, rows: list[Any]) -> dict[int, str]:
+    """ "<model>@<version>" of each version the rows' servers serve (their own or their
+    deployment's: fleet.catalog.refs.server_version_id)."""
+    ids = {server_version_id(server, deployment) for server, *_, deployment in rows}
+    ids.discard(None)
+    if not ids:
+        return {}
+    query = select(ModelVersion).where(col(ModelVersion.id).in_(ids))
+    return {v.id: version_key(v.model, v.version) for v in session.exec(query) if v.id}
+
+
+def _public(
+    keys: dict[int, str],
+    server: Server,
+    rack: str,
+    site: str,
+    deployment: Deployment | None,
+) -> ServerPublic:
     data = server.model_dump(exclude={"bmc_password_encrypted", "id", "rack_id", "deployment_id"})
+    version = server_version_id(server, deployment)
     return ServerPublic(
         **data,
         rack=rack,
         site=site,
-        deployment=deployment,
+        deployment=deployment.name if deployment is not None else None,
         bmc_password_set=has_bmc_password(server),
+        model_version=keys.get(version) if version is not None else None,
     )
 
 
@@ -174,15 +197,18 @@ def list_servers(
     # Page over (id, name) only, then load the wide rows of that page: sorting whole server
     # rows for a deep OFFSET spills to disk on Postgres.
     page = ids.order_by(col(Server.name)).limit(limit).offset(offset).subquery()
-    rows = session.exec(_with_place().join(page, page.c.id == Server.id).order_by(col(Server.name)))
-    return count, [_public(*row) for row in rows]
+    rows = list(
+        session.exec(_with_place().join(page, page.c.id == Server.id).order_by(col(Server.name)))
+    )
+    keys = _version_keys(session, rows)
+    return count, [_public(keys, *row) for row in rows]
 
 
 def get_server(session: Session, name: str) -> ServerPublic:
     row = session.exec(_with_place().where(Server.name == name)).one_or_none()
     if row is None:
         raise NotFoundError(f"no server named {name!r}")
-    return _public(*row)
+    return _public(_version_keys(session, [row]), *row)
 
 
 def list_gpus(

@@ -65,7 +65,12 @@ def warm_pool(session: Session) -> dict[str, object]:
                 "rack_headroom_w": round(rooms[rack].headroom_w, 1),
                 "fits": placement.fits(spare, rooms[rack]),
                 "boot_to_ready_s": server.boot_to_ready_s,
-                "models_cached": list(server.models_cached),
+                # The versions its agent last reported verified in its cache.
+                "versions_cached": sorted(
+                    str(e["key"])
+                    for e in server.cache_entries or ()
+                    if isinstance(e, dict) and e.get("state") == "ready" and e.get("key")
+                ),
             }
         )
     return {

@@ -6,6 +6,13 @@ health) and never the lifecycle state: the state machine's loops read these obse
 decide (docs/design.md). Each report is one transaction; a change of verdict, a registration
 and a GPU count that disagrees with the inventory are Events, ordinary heartbeats are not.
 
+The assignment names the model version the server serves (its own during a rollout, else its
+deployment's: fleet.catalog.refs) with the files a server of its GPU model and TP size fetches,
+any version to fetch ahead (`stage`, set by pre-staging), and the versions its cache must not
+evict (`keep`). The cache each heartbeat reports replaces the previous one on the server row;
+what changed in it is an Event once (a version verified, failed, resumed after a cut, or a file
+that failed its checksum), never every beat.
+
 The URLs an agent reports (its own, its replicas') are where routers send users' prompts and
 the fleet its probe: each must name the address the report came from, or lie in one of the
 configured networks (FLEET_AGENT_NETWORKS, for agents behind NAT or a proxy), so an agent
@@ -23,14 +30,20 @@ from urllib.parse import urlsplit
 from sqlmodel import Session, col, select
 
 from fleet.auth import Principal
+from fleet.catalog.refs import (
+    key_for_id,
+    model_ref_for,
+    server_version_id,
+    tp_size_of,
+)
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Event, Gpu, Role, Server, utcnow
+from fleet.models import Deployment, Event, Gpu, ModelVersion, Role, Server, utcnow
 from fleet.power.measure import drawn_fresh_s, record_estimate
 from fleet.settings import get_settings
 from fleet_core import wire
-from fleet_core.wire import Assignment, GpuFound, GpuHealth
+from fleet_core.wire import Assignment, CacheReport, GpuFound, GpuHealth, ModelRef
 
 # The report models are the core's (fleet_core/wire.py), shared with the agent; the API's routes
 # name them through this module.
@@ -128,22 +141,80 @@ def _own_server(session: Session, principal: Principal, name: str) -> Server:
 
 
 def assignment_for(session: Session, server: Server) -> Assignment:
+    keep = _keep(session, server)
     if server.state in _DRAIN_STATES:
-        return Assignment(kind="drain")
-    if server.deployment_id is None or server.state not in _SERVE_STATES:
-        return Assignment(kind="none")
-    deployment = session.get(Deployment, server.deployment_id)
-    if deployment is None:
-        return Assignment(kind="none")
+        return Assignment(kind="drain", keep=keep)
+    deployment = session.get(Deployment, server.deployment_id) if server.deployment_id else None
+    if deployment is None or server.state not in _SERVE_STATES:
+        # A spare powered on to pre-stage a version (fleet/provisioning/staging.py): fetch it,
+        # start nothing.
+        staging = _stage_ref(session, server, deployment)
+        if staging is not None:
+            return Assignment(kind="stage", stage=[staging], keep=keep)
+        return Assignment(kind="none", keep=keep)
+    tp_size = tp_size_of(deployment)
+    version = _version(session, server_version_id(server, deployment))
+    model = model_ref_for(session, version, server.gpu_model, tp_size) if version else None
+    uri, checksum = deployment.model_uri, deployment.model_checksum
+    if version is not None and version.id != deployment.model_version_id and model is not None:
+        # A canary server: the identity of the version it serves, as the deployment's would be.
+        checksum = version.digest
+        uri = model.artifacts[0].uri if model.external and model.artifacts else version.model
+    stage: list[ModelRef] = []
+    ahead = _stage_ref(session, server, deployment)
+    if ahead is not None and (model is None or ahead.key != model.key):
+        stage.append(ahead)
     return Assignment(
         kind="serve",
         deployment=deployment.name,
-        model_uri=deployment.model_uri,
-        model_checksum=deployment.model_checksum,
+        model_uri=uri,
+        model_checksum=checksum,
+        model=model,
         engine_params=dict(deployment.engine_params),
         gpus_per_replica=deployment.gpus_per_replica,
         replicas=server.gpu_count // deployment.gpus_per_replica,
+        stage=stage,
+        keep=keep,
     )
+
+
+def _version(session: Session, version_id: int | None) -> ModelVersion | None:
+    return session.get(ModelVersion, version_id) if version_id is not None else None
+
+
+def _stage_ref(session: Session, server: Server, deployment: Deployment | None) -> ModelRef | None:
+    """The version pre-staging asked this server to fetch (`stage_version_id`), with the files
+    for its GPU model and the TP size of a deployment that serves it."""
+    version = _version(session, server.stage_version_id)
+    if version is None:
+        return None
+    if deployment is None or version.id not in (
+        deployment.model_version_id,
+        deployment.canary_version_id,
+    ):
+        deployment = session.exec(
+            select(Deployment)
+            .where(
+                (col(Deployment.model_version_id) == version.id)
+                | (col(Deployment.canary_version_id) == version.id)
+            )
+            .order_by(col(Deployment.id))
+        ).first()
+    tp_size = tp_size_of(deployment) if deployment is not None else 1
+    ref = model_ref_for(session, version, server.gpu_model, tp_size)
+    return None if ref.external else ref
+
+
+def _keep(session: Session, server: Server) -> list[str]:
+    """Keys the server's cache must not evict: the versions its deployment serves and rolls
+    out, the one it serves itself, and the one it is staging."""
+    ids: list[int | None] = [server.model_version_id, server.stage_version_id]
+    if server.deployment_id is not None:
+        deployment = session.get(Deployment, server.deployment_id)
+        if deployment is not None:
+            ids += [deployment.model_version_id, deployment.canary_version_id]
+    keys = {key_for_id(session, i) for i in ids if i is not None}
+    return sorted(k for k in keys if k is not None)
 
 
 def _reply(
@@ -282,6 +353,8 @@ def heartbeat(
     fresh_s = drawn_fresh if drawn_fresh is not None else drawn_fresh_s(get_settings())
     gpu_watts = [None if gpu.lost else gpu.power_w for gpu in report.gpus]
     record_estimate(session, server, gpu_watts, now, fresh_s)
+    if report.cache is not None:
+        _record_cache(session, server, report.cache, principal.actor, now)
     session.add(server)
     rows = {g.index: g for g in session.exec(select(Gpu).where(Gpu.server_id == server.id))}
     for gpu in report.gpus:
@@ -306,3 +379,103 @@ def heartbeat(
         )
     session.commit()
     return _reply(session, server, interval_s, refused)
+
+
+def _record_cache(
+    session: Session, server: Server, cache: CacheReport, actor: str, now: Any
+) -> None:
+    """Store the agent's cache report on the server row, and an Event for each change worth
+    one: a version newly verified or failed (a failure also on each deployment serving or
+    rolling out that version: the operator looks there), a fetch resumed after a cut, a file
+    whose checksum did not match. Counters that fall (the agent restarted) are no event."""
+    before = {e.get("key"): e for e in server.cache_entries or () if isinstance(e, dict)}
+    entries = [e.model_dump(mode="json") for e in cache.entries]
+    for entry in cache.entries:
+        was = before.get(entry.key) or {}
+        resumes = int(was.get("resumes") or 0)
+        if entry.resumes > resumes:
+            session.add(
+                _event(
+                    server,
+                    actor,
+                    "server.weights_resumed",
+                    f"{entry.key}: a fetch resumed after a cut ({entry.resumes} resume(s) "
+                    "since the agent started)",
+                    version=entry.key,
+                    resumes=entry.resumes,
+                )
+            )
+        failures = int(was.get("checksum_failures") or 0)
+        if entry.checksum_failures > failures:
+            session.add(
+                _event(
+                    server,
+                    actor,
+                    "server.weights_checksum_mismatch",
+                    f"{entry.key}: a file failed its sha256 check, was discarded and fetched "
+                    f"again ({entry.checksum_failures} since the agent started)",
+                    version=entry.key,
+                    checksum_failures=entry.checksum_failures,
+                )
+            )
+        state = was.get("state")
+        if entry.state == "failed" and (state != "failed" or was.get("error") != entry.error):
+            error = entry.error or "no reason given"
+            session.add(
+                _event(
+                    server,
+                    actor,
+                    "server.weights_failed",
+                    f"{entry.key}: {error}"[:1000],
+                    version=entry.key,
+                    error=error,
+                )
+            )
+            for deployment in _deployments_of(session, entry.key):
+                session.add(
+                    Event(
+                        at=now,
+                        subject_type="deployment",
+                        subject=deployment,
+                        actor=actor,
+                        kind="deployment.weights_failed",
+                        message=f"server {server.name}: {entry.key}: {error}"[:1000],
+                        details={"server": server.name, "version": entry.key, "error": error},
+                    )
+                )
+        elif entry.state == "ready" and state != "ready":
+            session.add(
+                _event(
+                    server,
+                    actor,
+                    "server.weights_ready",
+                    f"{entry.key} verified in the cache ({entry.bytes:,} bytes)",
+                    version=entry.key,
+                    bytes=entry.bytes,
+                )
+            )
+    server.cache_entries = entries
+    server.cache_budget_bytes = cache.budget_bytes
+    server.cache_used_bytes = cache.used_bytes
+    server.cache_free_bytes = cache.free_bytes
+    server.cache_reported_at = now
+
+
+def _deployments_of(session: Session, key: str) -> list[str]:
+    """Names of the deployments serving or rolling out version `key`."""
+    model, _, version = key.partition("@")
+    row = session.exec(
+        select(ModelVersion).where(ModelVersion.model == model, ModelVersion.version == version)
+    ).first()
+    if row is None:
+        return []
+    return list(
+        session.exec(
+            select(Deployment.name)
+            .where(
+                (col(Deployment.model_version_id) == row.id)
+                | (col(Deployment.canary_version_id) == row.id)
+            )
+            .order_by(col(Deployment.name))
+        )
+    )

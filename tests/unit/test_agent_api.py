@@ -113,6 +113,9 @@ def test_register_records_the_agent_and_its_gpus(agent: httpx.Client, db: Engine
         "engine_params": {},
         "gpus_per_replica": None,
         "replicas": 0,
+        "model": None,
+        "stage": [],
+        "keep": [],
     }
     server = row(db, "gpu-a")
     assert (server.agent_version, server.agent_url) == ("0.1.0", "http://127.0.0.1:9410")
@@ -216,6 +219,46 @@ def test_the_reply_carries_the_assignment(
     walk_to(session, server, ServerState.DRAINING)
     drain = agent.post(f"{API}/heartbeat", json=heartbeat()).json()["assignment"]
     assert drain["kind"] == "drain"
+
+
+def test_the_cache_a_heartbeat_reports_is_stored_and_shown(
+    agent: httpx.Client, live: Live, db: Engine
+) -> None:
+    cache: dict[str, Any] = {
+        "budget_bytes": 500_000_000_000,
+        "used_bytes": 16_000_000_000,
+        "free_bytes": 900_000_000_000,
+        "entries": [
+            {
+                "key": "llama-8b@v1",
+                "state": "ready",
+                "bytes": 16_000_000_000,
+                "total_bytes": 16_000_000_000,
+                "verified_at": "2026-12-02T10:00:00Z",
+            },
+            {"key": "llama-8b@v2", "state": "failed", "error": "s3://w/x: 403 AccessDenied"},
+        ],
+    }
+    reply = agent.post(f"{API}/heartbeat", json=heartbeat(cache=cache))
+    assert reply.status_code == 200, reply.text
+    viewer = live.client(live.token(Role.VIEWER, name="viewer"))
+    shown = viewer.get("/api/v1/servers/gpu-a").json()
+    assert (shown["cache_budget_bytes"], shown["cache_used_bytes"]) == (5 * 10**11, 16 * 10**9)
+    assert [(e["key"], e["state"]) for e in shown["cache_entries"]] == [
+        ("llama-8b@v1", "ready"),
+        ("llama-8b@v2", "failed"),
+    ]
+    assert shown["cache_reported_at"] is not None and shown["model_version"] is None
+    assert agent.post(f"{API}/heartbeat", json=heartbeat(cache=cache)).status_code == 200
+    assert [k for k in kinds(db, "gpu-a") if "weights" in k] == [
+        "server.weights_ready",
+        "server.weights_failed",
+    ]
+    # A heartbeat without a cache (an older agent) leaves the stored one as it was.
+    assert agent.post(f"{API}/heartbeat", json=heartbeat()).status_code == 200
+    assert len(row(db, "gpu-a").cache_entries) == 2
+    too_many = {**cache, "entries": cache["entries"] * 200}
+    assert agent.post(f"{API}/heartbeat", json=heartbeat(cache=too_many)).status_code == 422
 
 
 def test_bad_reports_are_422_and_write_nothing(agent: httpx.Client, db: Engine) -> None:

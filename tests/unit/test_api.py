@@ -8,6 +8,7 @@ through the API (`demo`).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -17,11 +18,13 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
+import yaml
 from factories import walk_to
 from live import YAML, Live, fill_path, load_demo, operations, revoke_token, serve
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from fleet.catalog.versions import legacy_model_name
 from fleet.data import DEMO_INVENTORY
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import OPERATOR_TARGETS, ServerState, allowed_targets, draws_max_power
@@ -124,6 +127,16 @@ def detail(response: httpx.Response, status: int) -> str:
     return text
 
 
+def _demo_version(deployment: str) -> tuple[str, str]:
+    """(model, version) of the external version an import makes for a demo deployment."""
+    doc = yaml.safe_load(DEMO_YAML)
+    model = next(d["model"] for d in doc["deployments"] if d["name"] == deployment)
+    return legacy_model_name(model["uri"])[0], "legacy-" + hashlib.sha256(
+        f"{model['uri']}\n{model['checksum']}".encode()
+    ).hexdigest()[:12]
+
+
+DEMO_LLAMA_VERSION = _demo_version("llama-8b")
 ROUTER_REPORT = f"{API}/routing/report"  # a router's load report: the router role (or above)
 REAL_NAMES = {
     "servers": "fra1-r01-h100-01",
@@ -133,6 +146,10 @@ REAL_NAMES = {
     "autoscaler": "llama-8b",  # /autoscaler/{deployment}/decisions
     "schedules": "1",  # /schedules/{entry_id}: the entry `add_schedule` creates
     "tokens": "1",  # /tokens/{token_id}
+    # /models/{model}/versions/{version}: the external version the import made for llama-8b's
+    # model_uri and checksum (fleet/catalog/versions.py external_version).
+    "models": DEMO_LLAMA_VERSION[0],
+    "versions": DEMO_LLAMA_VERSION[1],
 }
 # A calendar entry (docs/calendar.md); a preview of one is a read, though it is a POST.
 SCHEDULE: dict[str, Any] = {
@@ -330,6 +347,7 @@ def test_import_reports_what_it_created(api: Api) -> None:
     assert report["dry_run"] is False
     assert report["created"] == {
         "gpu_model": 0,
+        "model_version": 0,
         "site": len(DEMO.sites),
         "rack": len(DEMO.racks),
         "feed": sum(len(r.feeds) for r in DEMO.racks),
@@ -805,7 +823,7 @@ def _reads_still_work(demo: Api, name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "field", ["models_cached", "pool", "bmc_address", "bmc_port", "bmc_username", "bmc_password"]
+    "field", ["pool", "bmc_address", "bmc_port", "bmc_username", "bmc_password"]
 )
 def test_patch_server_null_is_422_and_changes_nothing(demo: Api, field: str) -> None:
     name = "ams1-r01-h200-02"

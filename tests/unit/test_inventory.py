@@ -443,6 +443,7 @@ def test_demo_import_report(db: Engine, box: SecretBox) -> None:
     assert not report.dry_run
     assert report.created == {
         "gpu_model": 0,
+        "model_version": 0,
         "site": 2,
         "rack": 8,
         "feed": DEMO_FEEDS,
@@ -572,6 +573,7 @@ def test_reimport_applies_updates_of_each_kind(
     }
     assert report.updated == {
         "gpu_model": 0,
+        "model_version": 0,
         "site": 0,
         "rack": 0,
         "feed": 1,
@@ -1043,7 +1045,7 @@ S = "sites[0].racks[0].servers"
 REJECTIONS: dict[str, tuple[Callable[[Doc], str | None], list[str]]] = {
     "top-level-list": (
         _case_top_level_list,
-        ["(top level): must be a mapping with sites, servers, deployments or gpu_models"],
+        ["(top level): must be a mapping with sites, servers, deployments, models or gpu_models"],
     ),
     "not-yaml": (
         _case_not_yaml,

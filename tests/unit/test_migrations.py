@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from pg import throwaway_database
 from sqlalchemy.engine import Engine
-from sqlmodel import SQLModel
+from sqlmodel import Session, SQLModel, select
 
 import fleet.models  # noqa: F401  (registers every table on SQLModel.metadata)
 from fleet import db as fleet_db
@@ -61,5 +62,47 @@ def test_every_migration_downgrades_and_upgrades_again(fresh_url: str) -> None:
             )
             indexes = set(conn.execute(sa.text(catalog)).scalars())
         assert "uq_server_bmc_endpoint" in indexes
+    finally:
+        engine.dispose()
+
+
+def test_existing_deployments_survive_0012_with_an_external_version(fresh_url: str) -> None:
+    """A deployment from before model versions gets an `external` version named from its
+    weights' URI and checksum, keeps its identity (so its probe reference still matches), and a
+    client giving the same URI and checksum again reuses that version (fleet/catalog/)."""
+    from fleet.catalog.versions import external_version
+    from fleet.models import ArtifactFormat, Deployment, ModelArtifact, ModelVersion
+
+    engine = fleet_db.make_engine(fresh_url)
+    uri, checksum = "s3://fleet-models/meta/Llama-3.1-8B-Instruct", "sha256:" + "ab" * 32
+    try:
+        config = fleet_db.alembic_config(engine)
+        command.upgrade(config, "0011")
+        now = "2026-12-01 00:00:00+00:00"
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO deployment (name, model_uri, model_checksum, engine_params,"
+                    " gpus_per_replica, gpu_models, min_replicas, max_replicas,"
+                    " sla_p95_latency_ms, sla_ttft_ms, disruption_budget, created_at, updated_at)"
+                    " VALUES ('chat', :u, :c, '{}', 1, '[]', 0, 1, 2000, 300, 1, :t, :t)"
+                ),
+                {"u": uri, "c": checksum, "t": now},
+            )
+        command.upgrade(config, "head")
+        with Session(engine) as session:
+            dep = session.exec(select(Deployment)).one()
+            version = session.get(ModelVersion, dep.model_version_id)
+            assert version is not None
+            name = "legacy-" + hashlib.sha256(f"{uri}\n{checksum}".encode()).hexdigest()[:12]
+            assert (version.model, version.version, version.digest) == (
+                "Llama-3.1-8B-Instruct",
+                name,
+                checksum,
+            )
+            assert (dep.model_uri, dep.model_checksum) == (uri, checksum)
+            [artifact] = session.exec(select(ModelArtifact)).all()
+            assert (artifact.uri, artifact.format) == (uri, ArtifactFormat.EXTERNAL)
+            assert external_version(session, uri, checksum).id == version.id
     finally:
         engine.dispose()

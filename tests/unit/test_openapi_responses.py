@@ -2,7 +2,7 @@
 schema says what it holds (no `{}`, no bare `object`), and no answer has a field for a secret.
 
 The exceptions, each for a reason of its own:
-- DELETE /schedules/{entry_id}: 204, no body.
+- DELETE /schedules/{entry_id} and DELETE /models/{model}/versions/{version}: 204, no body.
 - GET /inventory/export: YAML, not JSON; its schema is the inventory file's (`InventoryFile`).
 - POST /power also streams NDJSON (`Accept: application/x-ndjson`): its JSON answer has a schema,
   the stream's lines are described in words.
@@ -21,7 +21,10 @@ from fleet.settings import Settings
 
 API = "/api/v1"
 REF = "#/components/schemas/"
-NO_BODY = {("delete", f"{API}/schedules/{{entry_id}}")}
+NO_BODY = {
+    ("delete", f"{API}/schedules/{{entry_id}}"),
+    ("delete", f"{API}/models/{{model}}/versions/{{version}}"),
+}
 YAML_ANSWERS = {("get", f"{API}/inventory/export"): "InventoryFile"}
 STREAMS = {("post", f"{API}/power"): "application/x-ndjson"}
 # A download, not JSON: a diagnostic bundle (a gzipped tar).
@@ -33,6 +36,8 @@ NOT_SECRETS = {"bmc_password_set"}
 # (docs/api.md "Agent tokens"). `ssh_host_key` is a public key's fingerprint.
 SHOWN_ONCE = {("post", f"{API}/tokens/agent"), ("post", f"{API}/tokens/{{token_id}}/rotate")}
 NOT_SECRETS |= {"ssh_host_key"}
+# A model version's name, "<model>@<version>" (fleet_core.wire.ModelRef, fleet/catalog/).
+NOT_SECRETS |= {"key"}
 _ANNOTATIONS = {"title", "description", "default", "examples", "deprecated"}
 
 

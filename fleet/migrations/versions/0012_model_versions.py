@@ -141,9 +141,14 @@ def upgrade() -> None:
         )
     # The static field is replaced by what agents report.
     op.drop_column("server", "models_cached")
+    # Routers' figures per model version, for rollouts' analysis (fleet/rollout/).
+    op.add_column(
+        "router_report", sa.Column("versions", sa.JSON(), nullable=False, server_default="{}")
+    )
 
 
 def downgrade() -> None:
+    op.drop_column("router_report", "versions")
     op.add_column("server", sa.Column("models_cached", sa.JSON(), nullable=True))
     op.execute("UPDATE server SET models_cached = '[]'")
     op.drop_index("ix_server_model_version_id", table_name="server")
