@@ -40,6 +40,7 @@ SPARE_COLUMNS = [
     ("rack_headroom_w", "rack headroom W"),
     ("fits", "fits"),
     ("boot_to_ready_s", "boot→ready s"),
+    ("versions_cached", "cached"),
 ]
 BOOT_DONE = {"serving", "failed", "quarantined", "maintenance", "retired", "warm"}
 

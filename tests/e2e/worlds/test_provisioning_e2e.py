@@ -213,6 +213,17 @@ class World:
     def patch_server(self, name: str, **fields: Any) -> None:
         self.api("PATCH", f"/servers/{name}", json=fields)
 
+    def mark_cached(self, name: str, deployment: str = DEPLOYMENT) -> None:
+        """Record, as its agent's last cache report would, that `name` holds the deployment's
+        version: placement then picks it first. (A warm spare's agent is off: nothing
+        overwrites it until the server boots and its agent reports its real cache.)"""
+        key = self.api("GET", f"/deployments/{deployment}")["model_version"]
+        with Session(self.engine) as session:
+            server = session.exec(select(Server).where(Server.name == name)).one()
+            server.cache_entries = [{"key": key, "state": "ready", "bytes": 1}]
+            session.add(server)
+            session.commit()
+
     def events(self, after: int, subject: str | None = None, kind: str | None = None) -> list[Any]:
         """Events with an id above `after`, oldest first."""
         params: dict[str, Any] = {"limit": 1000}
@@ -532,10 +543,10 @@ def test_a_wrong_bmc_password_and_a_refused_agent_fail_with_the_reason_and_are_r
     serving_before = set(fleet.serving())
     before = fleet.last_event_id()
     # Into the warm pool, with the deployment's model cached: placement picks them first.
-    fleet.patch_server(
-        BAD_PASSWORD, pool="warm", models_cached=[MODEL_URI], bmc_password="wrong-password"
-    )
-    fleet.patch_server(BAD_TOKEN, pool="warm", models_cached=[MODEL_URI])
+    fleet.patch_server(BAD_PASSWORD, pool="warm", bmc_password="wrong-password")
+    fleet.patch_server(BAD_TOKEN, pool="warm")
+    fleet.mark_cached(BAD_PASSWORD)
+    fleet.mark_cached(BAD_TOKEN)
 
     began = time.monotonic()
     result = fleet.fleetctl(
@@ -761,7 +772,7 @@ def test_a_service_killed_between_the_power_on_and_its_write_powers_on_once(
 
 
 def _kill_during_power_on(fleet: World, name: str) -> None:
-    fleet.patch_server(name, models_cached=[MODEL_URI])  # placement picks it first
+    fleet.mark_cached(name)  # placement picks it first
     count = fleet.power_ons(name)
     watch = _PowerOnWatch(fleet, name)
     before = fleet.last_event_id()
