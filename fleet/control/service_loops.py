@@ -1,8 +1,9 @@
 """The service's singleton control loops, wired together: one leadership, one thread per loop.
 
 The reconciler (BMC power states) and the provisioner (warm-spare workflows); the autoscaler,
-the scheduled-scaling calendar and the cap valve (GPU power limits of racks near their budget)
-join here. They share the leadership: one process leads them all.
+the scheduled-scaling calendar, the cap valve (GPU power limits of racks near their budget) and
+the rollouts (model versions moved step by step, fleet/rollout/) join here. They share the
+leadership: one process leads them all.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fleet.models import Event, utcnow
 from fleet.power.reconciler import reconcile_once
 from fleet.power.valve import run_valve
 from fleet.provisioning.tick import provision_once
+from fleet.rollout.service import rollout_once
 from fleet.settings import Settings
 
 
@@ -115,4 +117,11 @@ def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[Sing
         leadership,
         on_tick=leadership.record,
     )
-    return [reconciler, provisioner, autoscaler, calendar, valve]
+    rollouts = SingletonLoop(
+        "rollouts",
+        settings.rollout_interval_s,
+        lambda: rollout_once(engine, settings, box),
+        leadership,
+        on_tick=leadership.record,
+    )
+    return [reconciler, provisioner, autoscaler, calendar, rollouts, valve]

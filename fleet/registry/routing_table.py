@@ -18,8 +18,9 @@ from sqlmodel import Session, col, select
 
 from fleet.autoscaler.signals import RouterLoad
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Int, RouterReport, Server, utcnow
+from fleet.models import Deployment, Int, ModelVersion, RouterReport, Server, utcnow
 from fleet.settings import Settings
+from fleet_core.weights import version_key
 
 
 def served_name(model_uri: str) -> str:
@@ -41,9 +42,15 @@ def routing_table(
             .order_by(col(Server.name))
         )
     )
+    keys = {
+        v.id: version_key(v.model, v.version)
+        for v in session.exec(select(ModelVersion))  # tens: read them all
+    }
     out = []
     for deployment in session.exec(select(Deployment).order_by(col(Deployment.name))):
         params = deployment.engine_params or {}
+        stable = keys.get(deployment.model_version_id)
+        canary = keys.get(deployment.canary_version_id)
         replicas = [
             {
                 "server": server.name,
@@ -52,6 +59,10 @@ def routing_table(
                 "index": replica.get("index"),
                 "url": replica.get("url"),
                 "state": replica.get("state"),
+                # What the replica runs (its agent says), else what its server is assigned: a
+                # server a rollout just moved keeps answering as the version it still runs.
+                "version": replica.get("version")
+                or keys.get(server.model_version_id or deployment.model_version_id),
             }
             for server in serving
             if server.deployment_id == deployment.id
@@ -72,6 +83,13 @@ def routing_table(
                 "sla_p95_latency_ms": deployment.sla_p95_latency_ms,
                 "sla_ttft_ms": deployment.sla_ttft_ms,
                 "replicas": replicas,
+                # The router splits requests by version (docs/router.md): `canary_weight` of
+                # them to the canary's replicas, the rest to the stable version's.
+                "versions": {
+                    "stable": stable,
+                    "canary": canary,
+                    "canary_weight": deployment.canary_weight if canary else 0.0,
+                },
             }
         )
     return out
@@ -89,6 +107,25 @@ MAX_REPORTED_DEPLOYMENTS = 1000
 MAX_IGNORED_SHOWN = 20
 
 
+# Versions per deployment in one report: a deployment serves one, or two during a rollout (a
+# few more while a router's counters still hold versions rolled out earlier).
+MAX_REPORTED_VERSIONS = 8
+MAX_COUNT = 2**53  # a counter past this is no honest figure (and JSON's exact integer bound)
+
+
+class VersionLoad(BaseModel):
+    """One model version's figures in a router: `requests` answered by a replica of it and
+    `errors` among them (5xx or no answer) since the router started (counters: the fleet
+    takes differences over a rollout's window), the p95s of the last minute."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    requests: Int = Field(ge=0, le=MAX_COUNT, strict=False)
+    errors: Int = Field(ge=0, le=MAX_COUNT, strict=False)
+    p95_s: float | None = Field(default=None, ge=0, le=MAX_LATENCY_S)
+    ttft_p95_s: float | None = Field(default=None, ge=0, le=MAX_LATENCY_S)
+
+
 class DeploymentLoad(BaseModel):
     # strict: true is not 1 request waiting, and a p95 is a number (never inf or NaN).
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
@@ -97,6 +134,9 @@ class DeploymentLoad(BaseModel):
     waiting: Int = Field(ge=0, le=MAX_WAITING, strict=False)
     p95_s: float | None = Field(default=None, ge=0, le=MAX_LATENCY_S)
     ttft_p95_s: float | None = Field(default=None, ge=0, le=MAX_LATENCY_S)
+    versions: dict[Annotated[str, StringConstraints(min_length=1, max_length=130)], VersionLoad] = (
+        Field(default_factory=dict, max_length=MAX_REPORTED_VERSIONS)
+    )
 
 
 class LoadReport(BaseModel):
@@ -142,6 +182,7 @@ def record_report(
         row = rows.get(deployment) or RouterReport(router=report.router, deployment=deployment)
         row.at, row.waiting = at, load.waiting
         row.p95_s, row.ttft_p95_s = load.p95_s, load.ttft_p95_s
+        row.versions = {key: v.model_dump() for key, v in load.versions.items()}
         session.add(row)
     # A restarted router reports under a new name: its old rows go after an hour.
     session.execute(sa.delete(RouterReport).where(col(RouterReport.at) < at - timedelta(hours=1)))
@@ -169,3 +210,26 @@ def router_loads(session: Session, fresh_after: datetime) -> dict[str, RouterLoa
 
 def _max(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
+
+
+def version_loads(
+    session: Session, deployment: str, fresh_after: datetime
+) -> dict[str, dict[str, VersionLoad]]:
+    """Per router that reported since `fresh_after`: its figures per version for `deployment`
+    (a rollout's analysis: fleet/rollout/service.py). A row that no longer parses (written by
+    another release) is left out."""
+    out: dict[str, dict[str, VersionLoad]] = {}
+    rows = session.exec(
+        select(RouterReport).where(
+            RouterReport.deployment == deployment, RouterReport.at >= fresh_after
+        )
+    )
+    for row in rows:
+        figures: dict[str, VersionLoad] = {}
+        for key, value in (row.versions or {}).items():
+            try:
+                figures[key] = VersionLoad.model_validate(value)
+            except ValueError:
+                continue
+        out[row.router] = figures
+    return out

@@ -116,6 +116,7 @@ class WorkerView:
                     pool.throughput[url] = Throughput(prior)
                 replica.models = pool.models
                 replica.limit = limit
+                replica.version = str(item.get("version") or "")
                 current[url] = replica
                 agent = item.get("agent_url")
                 if agent:
@@ -123,6 +124,12 @@ class WorkerView:
             _unknown_takes_the_mean(current, pool.throughput)
             pool.replicas = current
             pool.throughput = {u: m for u, m in pool.throughput.items() if u in current}
+            versions = row.get("versions") or {}
+            pool.set_versions(
+                str(versions.get("stable") or ""),
+                str(versions.get("canary") or ""),
+                float(versions.get("canary_weight") or 0.0),
+            )
             for model in pool.models:
                 by_model.setdefault(model, pool)
         for name in list(self.pools):
@@ -194,7 +201,7 @@ def _unknown_takes_the_mean(replicas: dict[str, Replica], meters: dict[str, Thro
 
 def apply_agent_state(replicas: list[Replica], state: dict[str, Any]) -> None:
     """An agent's /state onto its replicas: ready only if the agent is ready (not draining,
-    GPUs healthy) and the replica itself is."""
+    GPUs healthy) and the replica itself is; the model version it runs, when the agent says."""
     agent_ready = bool(state.get("ready")) and not state.get("draining")
     reported = {
         str(r.get("url", "")).rstrip("/"): r for r in state.get("replicas") or [] if r.get("url")
@@ -209,3 +216,7 @@ def apply_agent_state(replicas: list[Replica], state: dict[str, Any]) -> None:
         replica.running = int(row.get("running") or 0)
         kv = row.get("kv_used_fraction")
         replica.kv_use = float(kv) if isinstance(kv, int | float) else None
+        # The agent knows first when a replica restarted on another version (a rollout).
+        version = row.get("version")
+        if isinstance(version, str) and version:
+            replica.version = version

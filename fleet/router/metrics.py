@@ -21,6 +21,7 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 P95_WINDOW_S = 60.0  # the p95s (gauge and autoscaler reports) cover the last minute
 P95_MAX = 5000  # requests kept per deployment for them, at most
+MAX_VERSIONS = 8  # versions per deployment in a load report (the fleet's bound)
 
 
 class RouterMetrics:
@@ -29,8 +30,16 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "router_requests_total",
-            "Requests answered, by deployment, priority and HTTP status",
-            ["deployment", "priority", "code"],
+            "Requests answered, by deployment, priority, HTTP status and the model version of "
+            'the replica that answered ("" when none did)',
+            ["deployment", "priority", "code", "version"],
+            registry=r,
+        )
+        self.version_attempts = Counter(
+            "router_version_attempts_total",
+            "Tries sent to a replica, by deployment, the replica's model version and outcome "
+            "(error: 5xx or no answer, retries included): what a rollout's analysis compares",
+            ["deployment", "version", "outcome"],
             registry=r,
         )
         self.duration = Histogram(
@@ -73,7 +82,12 @@ class RouterMetrics:
         )
         self._recent: dict[str, _Window] = {}
         self._recent_ttft: dict[str, _Window] = {}
+        # Per (deployment, version): tries and errors since start, and the p95 windows
+        self._tries: dict[tuple[str, str], list[int]] = {}
+        self._recent_v: dict[tuple[str, str], _Window] = {}
+        self._recent_ttft_v: dict[tuple[str, str], _Window] = {}
         self._known: set[str] = set()
+        self._known_versions: set[tuple[str, str]] = set()
         self._depth_shown: dict[str, int] = {}  # per deployment: the waiting the gauges show
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.clock: Callable[[], float] = time.monotonic
@@ -88,15 +102,56 @@ class RouterMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def finished(self, deployment: str, priority: str, code: str, seconds: float) -> None:
-        self._child(self.requests, deployment, priority, code).inc()
+    def finished(
+        self, deployment: str, priority: str, code: str, seconds: float, version: str = ""
+    ) -> None:
+        self._child(self.requests, deployment, priority, code, version).inc()
         if code == "200":
             self._child(self.duration, deployment).observe(seconds)
-            self._recent.setdefault(deployment, _Window()).add(self.clock(), seconds)
+            now = self.clock()
+            self._recent.setdefault(deployment, _Window()).add(now, seconds)
+            if version:
+                self._recent_v.setdefault((deployment, version), _Window()).add(now, seconds)
 
-    def ttft(self, deployment: str, seconds: float) -> None:
+    def ttft(self, deployment: str, seconds: float, version: str = "") -> None:
         self._child(self.first_token, deployment).observe(seconds)
-        self._recent_ttft.setdefault(deployment, _Window()).add(self.clock(), seconds)
+        now = self.clock()
+        self._recent_ttft.setdefault(deployment, _Window()).add(now, seconds)
+        if version:
+            self._recent_ttft_v.setdefault((deployment, version), _Window()).add(now, seconds)
+
+    def attempt(self, deployment: str, version: str, *, error: bool) -> None:
+        """One try on a replica of `version` ended: an error when the replica answered 5xx or
+        not at all (a retry elsewhere may still have saved the request)."""
+        if not version:
+            return
+        counts = self._tries.get((deployment, version))
+        if counts is None:
+            counts = self._tries[(deployment, version)] = [0, 0]
+        counts[0] += 1
+        if error:
+            counts[1] += 1
+        self._child(self.version_attempts, deployment, version, "error" if error else "ok").inc()
+
+    def version_figures(self, deployment: str, first: list[str]) -> dict[str, dict[str, Any]]:
+        """Per version of `deployment` (those in `first`, then any counted, at most
+        MAX_VERSIONS): tries and errors since the router started, p95s of the last minute —
+        what the load report sends for a rollout's analysis."""
+        now = self.clock()
+        seen = [v for v in first if v]
+        seen += sorted(v for d, v in self._tries if d == deployment and v not in seen)
+        out: dict[str, dict[str, Any]] = {}
+        for version in seen[:MAX_VERSIONS]:
+            requests, errors = self._tries.get((deployment, version), (0, 0))
+            durations = self._recent_v.get((deployment, version))
+            ttfts = self._recent_ttft_v.get((deployment, version))
+            out[version] = {
+                "requests": requests,
+                "errors": errors,
+                "p95_s": durations.p95(now) if durations else None,
+                "ttft_p95_s": ttfts.p95(now) if ttfts else None,
+            }
+        return out
 
     def p95s(self, deployment: str) -> tuple[float | None, float | None]:
         """(request duration p95, TTFT p95) over the last P95_WINDOW_S; None without requests
@@ -130,11 +185,18 @@ class RouterMetrics:
             # Every series of a deployment exists (at 0) from the moment the router knows it:
             # the first request's increase is then visible to rate() and the quantiles.
             self._known.add(pool.name)
-            for priority in PRIORITIES:
-                self.requests.labels(pool.name, priority, "200")
             self.duration.labels(pool.name)
             self.first_token.labels(pool.name)
             self.tokens.labels(pool.name)
+        # ... and of each version it serves, once known ("": a table without versions)
+        for version in (pool.stable, pool.canary) if pool.canary else (pool.stable,):
+            if (pool.name, version) not in self._known_versions:
+                self._known_versions.add((pool.name, version))
+                for priority in PRIORITIES:
+                    self.requests.labels(pool.name, priority, "200", version)
+                if version:
+                    for outcome in ("ok", "error"):
+                        self.version_attempts.labels(pool.name, version, outcome)
         self.queue_depth(pool)
         for replica in pool.replicas.values():
             self.replica_inflight.labels(pool.name, replica.url).set(replica.inflight)

@@ -5,6 +5,12 @@ count, prompt tokens, expected output); when none is available the request waits
 bounded admission queue (interactive before batch) until a `release` or a view update frees
 one. `release` closes the books and feeds what was learned (output length, throughput) back.
 
+During a rollout the pool splits by model version (`set_versions`): `canary_weight` of the
+requests go to the canary's replicas, the rest to the stable version's, by deterministic smooth
+weighting (the canary's turn comes exactly once per 1/weight requests, not by chance), each
+side's replica chosen by the strategy; when the chosen side has no available replica the other
+takes the request. A replica on neither version (one a rollback is moving back) gets nothing.
+
 Single-threaded: everything runs on the router's event loop, so no locks.
 """
 
@@ -86,6 +92,49 @@ class DeploymentPool:
     failures: dict[str, int] = field(default_factory=dict)  # in a row, per replica URL
     eject_after: int = 3
     eject_s: float = 10.0
+    # Model versions (a rollout): "" when not known (a static table, the simulator)
+    stable: str = ""
+    canary: str = ""
+    canary_weight: float = 0.0
+    mixed: bool = False  # replicas of more than the stable version: choose by version
+    credit: float = 0.0  # the smooth weighting's running balance
+
+    # -- versions -------------------------------------------------------------------------
+
+    def set_versions(self, stable: str, canary: str, canary_weight: float) -> None:
+        self.stable, self.canary = stable, canary
+        self.canary_weight = min(1.0, max(0.0, canary_weight)) if canary else 0.0
+        self.refresh_versions()
+
+    def refresh_versions(self) -> None:
+        """Whether choosing must look at versions (kept off the hot path when every replica
+        runs the stable version); call after replicas' versions change."""
+        stable = self.stable
+        self.mixed = bool(self.canary) or any(
+            r.version and r.version != stable for r in self.replicas.values()
+        )
+
+    def _side(self, replica: Replica) -> int:
+        """0: the stable version's (or one of no known version), 1: the canary's, -1: neither."""
+        version = replica.version
+        if not version or version == self.stable or not self.stable:
+            return 0
+        return 1 if version == self.canary else -1
+
+    def _choose_by_version(self, candidates: list[Replica], request: Request) -> Replica | None:
+        stable = [r for r in candidates if self._side(r) == 0]
+        canary = [r for r in candidates if self._side(r) == 1] if self.canary else []
+        first, second = stable, canary
+        if canary and self.canary_weight > 0:
+            self.credit += self.canary_weight
+            if self.credit >= 0.5:
+                self.credit -= 1.0
+                first, second = canary, stable
+        now = self.clock()
+        chosen = self.strategy.choose(first, request, now) if first else None
+        if chosen is None and second:
+            chosen = self.strategy.choose(second, request, now)
+        return chosen
 
     # -- choosing -------------------------------------------------------------------------
 
@@ -94,6 +143,8 @@ class DeploymentPool:
             candidates = [r for url, r in self.replicas.items() if url not in exclude]
         else:
             candidates = list(self.replicas.values())
+        if self.mixed:
+            return self._choose_by_version(candidates, request)
         return self.strategy.choose(candidates, request, self.clock())
 
     def _book(self, replica: Replica, request: Request) -> Ticket:

@@ -134,7 +134,13 @@ class Router:
         deployments: dict[str, dict[str, Any]] = {}
         for pool in self.view.pools.values():
             p95, ttft = self.metrics.p95s(pool.name)
-            deployments[pool.name] = {"waiting": len(pool.queue), "p95_s": p95, "ttft_p95_s": ttft}
+            deployments[pool.name] = {
+                "waiting": len(pool.queue),
+                "p95_s": p95,
+                "ttft_p95_s": ttft,
+                # Per model version: what a rollout's analysis compares (fleet/rollout/)
+                "versions": self.metrics.version_figures(pool.name, [pool.stable, pool.canary]),
+            }
         url = f"{self.settings.fleet_url.rstrip('/')}/api/v1/routing/report"
         headers = {"Authorization": f"Bearer {self.settings.token.get_secret_value()}"}
         body = {"router": self.identity, "deployments": deployments}
@@ -153,6 +159,7 @@ class Router:
     def _views_changed(self) -> None:
         assert self.view is not None
         for pool in self.view.pools.values():
+            pool.refresh_versions()  # an agent said a replica restarted on another version
             pool.pump()  # a replica became ready: admit waiters
             self.metrics.pool(pool)
 
@@ -186,6 +193,11 @@ class Router:
                         "strategy": p.strategy.name,
                         "queue": {c: p.queue.depth(c) for c in PRIORITIES},
                         "expected_output_tokens": round(p.estimate.value, 1),
+                        "versions": {
+                            "stable": p.stable or None,
+                            "canary": p.canary or None,
+                            "canary_weight": p.canary_weight,
+                        },
                         "replicas": [
                             {
                                 "url": r.url,
@@ -199,6 +211,7 @@ class Router:
                                 "kv_use": r.kv_use,
                                 "capacity": round(r.capacity, 1),
                                 "ejected": r.ejected_until > time.monotonic(),
+                                "version": r.version or None,
                             }
                             for r in p.replicas.values()
                         ],
@@ -251,6 +264,7 @@ class Router:
         tried: set[str] = set()
         s = self.settings
         status = "error"
+        version = ""  # of the replica that answered
         try:
             for attempt in range(s.attempts):
                 self.metrics.queue_depth(pool)
@@ -279,6 +293,7 @@ class Router:
                     tried.add(ticket.replica.url)
                     continue
                 status = str(response.status)
+                version = ticket.replica.version
                 return response
             status = "503"
             return openai_error(
@@ -288,7 +303,7 @@ class Router:
                 retry_after=s.retry_after_s,
             )
         finally:
-            self.metrics.finished(pool.name, priority, status, time.monotonic() - started)
+            self.metrics.finished(pool.name, priority, status, time.monotonic() - started, version)
 
     async def _forward(
         self,
@@ -305,11 +320,14 @@ class Router:
         content_type = request.headers.get("Content-Type", "application/json")
         response: web.StreamResponse | None = None
         output_tokens, ok, failed = 0, False, False
+        error = False  # the replica answered 5xx, or its stream broke off (per version)
+        answered = False  # it answered at all (a client gone before that decides nothing)
         try:
             target = request.raw_path  # as the client sent it; absolute-form is rebuilt
             if not target.startswith("/"):
                 target = request.path_qs
             upstream = await self.upstream.post(ticket.replica.url, target, raw, content_type)
+            answered = True
             try:
                 if upstream.status == 503:  # draining or overloaded: another replica may answer
                     failed = True
@@ -325,6 +343,7 @@ class Router:
                     await response.write_eof()
                     ok = True
                     return response
+                error = upstream.status >= 500
                 data = await upstream.read()
                 # No TTFT here: a client that does not stream sees its first token with its
                 # last, and that is the request's duration, not its time to first token.
@@ -345,9 +364,12 @@ class Router:
                 log.info("router: %s failed before answering: %s", ticket.replica.url, exc)
                 raise _Retry from exc
             log.warning("router: stream from %s cut after it began: %s", ticket.replica.url, exc)
+            error = True
             return response
         finally:
             pool.release(ticket, output_tokens=output_tokens, ok=ok, failed=failed)
+            if answered or failed:
+                self.metrics.attempt(pool.name, ticket.replica.version, error=failed or error)
             self.metrics.inflight(pool, ticket.replica)
             if ok:
                 self.metrics.output(pool.name, output_tokens)
@@ -368,7 +390,7 @@ class Router:
         first = True
         while chunk := await upstream.read_chunk():
             if first:
-                self.metrics.ttft(pool.name, time.monotonic() - started)
+                self.metrics.ttft(pool.name, time.monotonic() - started, ticket.replica.version)
                 first = False
             await response.write(chunk)
             pending += chunk

@@ -67,6 +67,7 @@ class Replica:
     capacity: float = 1.0  # measured throughput, work units per second (see the module doc)
     stream_rate: float = float("inf")  # one request's top speed alone, work units per second
     ejected_until: float = 0.0  # monotonic seconds; after repeated failures
+    version: str = ""  # "<model>@<version>" it runs ("": not known, taken as the stable one)
 
     def available(self, now: float) -> bool:  # (inlined in `_open`)
         return self.ready and self.inflight < self.limit and now >= self.ejected_until

@@ -228,7 +228,8 @@ def test_completions_and_streaming_chat_through_the_router(
         )
     metrics = httpx.get(f"{router.url}/metrics").text
     assert (
-        'router_requests_total{code="200",deployment="llama",priority="interactive"} 2.0' in metrics
+        'router_requests_total{code="200",deployment="llama",priority="interactive",version=""} 2.0'
+        in metrics
     )
     assert 'router_output_tokens_total{deployment="llama"} 20.0' in metrics
     assert "router_time_to_first_token_seconds_bucket" in metrics
@@ -349,5 +350,6 @@ def test_429_only_when_the_bounded_queue_is_full_and_interactive_overtakes_batch
     assert order == ["first", "interactive", "batch"], router.tail()
     codes = httpx.get(f"{router.url}/metrics").text
     assert (
-        'router_requests_total{code="429",deployment="llama",priority="interactive"} 1.0' in codes
+        'router_requests_total{code="429",deployment="llama",priority="interactive",version=""} 1.0'
+        in codes
     )

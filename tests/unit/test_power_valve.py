@@ -339,6 +339,7 @@ def test_the_valve_runs_as_a_leader_loop_beside_the_others(db: Engine, rack: str
             "provisioner",
             "autoscaler",
             "calendar",
+            "rollouts",
             "valve",
         ]
         valve = loops[-1]

@@ -7,7 +7,7 @@ from datetime import timedelta
 from factories import add_rack, add_server, add_site
 from sqlmodel import Session
 
-from fleet.models import Deployment, utcnow
+from fleet.models import Deployment, ModelVersion, utcnow
 from fleet.registry.routing_table import routing_table, served_name
 from fleet.settings import Settings
 
@@ -55,8 +55,57 @@ def test_only_serving_ready_servers_with_a_fresh_heartbeat_are_listed(session: S
             "index": 0,
             "url": "http://ok:8100",
             "state": "ready",
+            "version": None,  # a deployment without model versions (none recorded here)
         }
     ]
+    assert row["versions"] == {"stable": None, "canary": None, "canary_weight": 0.0}
+
+
+def test_each_replica_has_its_version_and_the_deployment_its_split(session: Session) -> None:
+    """The agent's word first (a server a rollout just moved still runs the old version), else
+    the server's own version, else its deployment's."""
+    rack = add_rack(session, add_site(session, "s1"), "r1")
+    v1 = ModelVersion(model="llama", version="v1", digest="sha256:1", created_by="t")
+    v2 = ModelVersion(model="llama", version="v2", digest="sha256:2", created_by="t")
+    session.add_all([v1, v2])
+    session.commit()
+    dep = Deployment(
+        name="llama",
+        model_uri="llama",
+        model_checksum="sha256:1",
+        sla_p95_latency_ms=2000,
+        sla_ttft_ms=500,
+        model_version_id=v1.id,
+        canary_version_id=v2.id,
+        canary_weight=0.05,
+    )
+    session.add(dep)
+    session.commit()
+    now = utcnow()
+    # (server's own version, what its agent reports)
+    cases = {"a": (None, None), "b": (v2.id, None), "c": (v2.id, "llama@v1")}
+    for i, (name, (own, reported)) in enumerate(cases.items()):
+        server = add_server(
+            session, rack, name, "serving", u_position=1 + 8 * i, bmc_system_id=name
+        )
+        server.deployment_id = dep.id
+        server.model_version_id = own
+        server.agent_ready = True
+        server.agent_url = f"http://{name}:9410"
+        server.last_heartbeat_at = now
+        server.replicas = [
+            {"index": 0, "url": f"http://{name}:8100", "state": "ready", "version": reported}
+        ]
+        session.add(server)
+    session.commit()
+    [row] = routing_table(session, Settings(heartbeat_interval_s=5.0))
+    assert {r["server"]: r["version"] for r in row["replicas"]} == {
+        "a": "llama@v1",
+        "b": "llama@v2",
+        "c": "llama@v1",
+    }
+    assert row["versions"] == {"stable": "llama@v1", "canary": "llama@v2", "canary_weight": 0.05}
+    assert row["models"] == ["llama"]
 
 
 def test_served_name_is_the_checkpoint_directory() -> None:
