@@ -530,8 +530,10 @@ class WeightsCache:
                 self._count_bytes(partial, before, started)
                 partial.unlink(missing_ok=True)
                 self.counters.checksum_failures += 1
+                self.counters.resumes += exc.resumes
                 with self._lock:
                     entry.checksum_failures += 1
+                    entry.resumes += exc.resumes
                     entry.bytes = base
                 if attempt == 2:
                     raise _Failed(f"{exc} (twice: the source itself is wrong)") from exc

@@ -89,6 +89,8 @@ class FetchError(Exception):
     """A fetch that did not produce a verified file. `str()` is one line: the artifact's
     name, its URI without credentials or query, and why."""
 
+    resumes = 0  # cuts resumed within the call before it failed (a checksum found wrong)
+
     def __init__(self, name: str, uri: str, reason: str) -> None:
         self.name = name
         self.uri = display_uri(uri)
@@ -215,10 +217,14 @@ def fetch(
             sink.close()
     finally:
         os.close(fd)
+    wrong: FetchError | None = None
     if expected_size is not None and sink.written != expected_size:
-        raise SizeMismatch(name, uri, expected_size, sink.written, "got")
-    if actual_sha != expected_sha:
-        raise ChecksumMismatch(name, uri, expected_sha, actual_sha)
+        wrong = SizeMismatch(name, uri, expected_size, sink.written, "got")
+    elif actual_sha != expected_sha:
+        wrong = ChecksumMismatch(name, uri, expected_sha, actual_sha)
+    if wrong is not None:
+        wrong.resumes = resumes + (resumed_from > 0)
+        raise wrong
     return FetchResult(
         bytes=sink.written,
         seconds=time.monotonic() - started,
@@ -452,6 +458,17 @@ def _local_error(name: str, uri: str, exc: OSError, what: str) -> FetchError:
 # ---- the sink: write + hash ------------------------------------------------------------------
 
 
+_ZEROS: dict[int, bytes] = {}
+
+
+def _all_zero(buffer: bytearray, n: int) -> bool:
+    """Whether the first n bytes are zeros (a memcmp against a zero block of that length)."""
+    zeros = _ZEROS.get(n)
+    if zeros is None:
+        zeros = _ZEROS.setdefault(n, bytes(n)) if len(_ZEROS) < 8 else bytes(n)
+    return (buffer if n == len(buffer) else buffer[:n]) == zeros
+
+
 class _Sink:
     """The partial file and its running sha256. Buffers go reader → write here → hashing
     thread → back to the pool; the pool's DEPTH bounds memory and how far hashing may lag."""
@@ -515,6 +532,12 @@ class _Sink:
         view = memoryview(buffer)[:n]
         done = 0
         try:
+            if _all_zero(buffer, n):
+                # A hole, as `cp --sparse` leaves: the same bytes to every reader, no disk
+                # written (model files hardly have zero runs; generated test files do).
+                os.ftruncate(self.fd, self.written + n)
+                os.lseek(self.fd, self.written + n, os.SEEK_SET)
+                done = n
             while done < n:
                 done += os.write(self.fd, view[done:])
         except OSError as exc:

@@ -7,8 +7,10 @@ Every peer is stopped at teardown; every retry loop in the fetcher is bounded (M
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
+import random
 import re
 import subprocess
 from collections.abc import Iterator
@@ -219,7 +221,13 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_full_disk(tiny_disk: Path, tmp_path: Path) -> None:
-    made = sparse_file(tmp_path / "src" / "big.bin", 16 * MIB, seed=9)
+    # Random bytes, not a sparse file: the fetcher writes zero blocks as holes, which a full
+    # disk would still hold.
+    source = tmp_path / "src" / "big.bin"
+    source.parent.mkdir()
+    data = random.Random(9).randbytes(16 * MIB)
+    source.write_bytes(data)
+    made = WeightFile(path=source, size=len(data), sha256=hashlib.sha256(data).hexdigest())
     dest = tiny_disk / "partial"
     # Size known: refused before a byte is written.
     with pytest.raises(DiskFull, match=r"needs 16777216 more bytes, \d+ free"):
