@@ -130,8 +130,13 @@ class WorkerView:
                 str(versions.get("canary") or ""),
                 float(versions.get("canary_weight") or 0.0),
             )
+            # A model name several deployments serve goes to the one with the most replicas
+            # (the first by name on a tie): a spare staging the same model for another
+            # deployment must not capture its traffic. A deployment's own name is unique.
             for model in pool.models:
-                by_model.setdefault(model, pool)
+                held = by_model.get(model)
+                if held is None or len(pool.replicas) > len(held.replicas):
+                    by_model[model] = pool
         for name in list(self.pools):
             if name not in seen and not len(self.pools[name].queue):
                 del self.pools[name]

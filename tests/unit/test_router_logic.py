@@ -368,3 +368,25 @@ def test_a_replica_on_unknown_hardware_starts_at_the_mean_of_the_known() -> None
     known = (replicas["http://a"].capacity + replicas["http://b"].capacity) / 2
     assert replicas["http://c"].capacity == pytest.approx(known)
     assert all(r.ready for r in replicas.values())  # no agent listed: taken as ready
+
+
+def test_a_model_served_by_two_deployments_goes_to_the_one_with_replicas() -> None:
+    from fleet.router.config import RouterSettings
+    from fleet.router.discovery import WorkerView
+
+    view = WorkerView(RouterSettings(), http=None)  # type: ignore[arg-type]
+    rows = [
+        # First by name, staging the same model for later: no replica yet.
+        {"deployment": "a-staging", "models": ["a-staging", "llama"], "replicas": []},
+        {
+            "deployment": "chat",
+            "models": ["chat", "llama"],
+            "replicas": [{"url": "http://a"}, {"url": "http://b"}],
+        },
+    ]
+    view.apply_table(rows)
+    assert view.by_model["llama"].name == "chat"
+    assert view.by_model["a-staging"].name == "a-staging"  # its own name still reaches it
+    rows[0]["replicas"] = [{"url": "http://c"}, {"url": "http://d"}]  # a tie: first by name
+    view.apply_table(rows)
+    assert view.by_model["llama"].name == "a-staging"
