@@ -45,7 +45,7 @@ def split_key(key: str) -> tuple[str, str]:
 
 
 def digest(artifacts: Iterable[tuple[str, str]]) -> str:
-    """"sha256:<hex>" over (name, sha256) pairs, in name order: a version's identity."""
+    """The "sha256:<hex>" digest over (name, sha256) pairs, in name order: a version's identity."""
     h = hashlib.sha256()
     for name, sha in sorted(artifacts):
         h.update(f"{name}\0{sha}\n".encode())
@@ -67,9 +67,7 @@ def artifact_name_problem(name: str) -> str | None:
 A = TypeVar("A", bound=ArtifactLike)
 
 
-def for_server(
-    artifacts: Sequence[A], gpu_model: str, tp_size: int
-) -> list[A]:
+def for_server(artifacts: Sequence[A], gpu_model: str, tp_size: int) -> list[A]:
     """The files a server of `gpu_model` serving at `tp_size` fetches: every file built for
     no GPU model in particular, plus those built for this one (an engine built for another GPU
     model or TP size is useless there). Where both exist under one name, the specific wins."""

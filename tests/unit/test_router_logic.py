@@ -4,6 +4,7 @@ the agent's /state onto replicas, and prompt token counts."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -375,7 +376,7 @@ def test_a_model_served_by_two_deployments_goes_to_the_one_with_replicas() -> No
     from fleet.router.discovery import WorkerView
 
     view = WorkerView(RouterSettings(), http=None)  # type: ignore[arg-type]
-    rows = [
+    rows: list[dict[str, Any]] = [
         # First by name, staging the same model for later: no replica yet.
         {"deployment": "a-staging", "models": ["a-staging", "llama"], "replicas": []},
         {

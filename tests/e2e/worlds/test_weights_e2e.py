@@ -383,23 +383,19 @@ def test_weights_reach_the_gpus_staged_cached_and_rolled_out(
         world.api("POST", "/deployments", json=deployment(f"b-{version}", version, cached_spares=1))
     for version, words in broken.items():
         key = f"{MODEL}@{version}"
-        failed = wait_for(
-            f"{key} failed on a spare",
-            lambda key=key: (
-                events(world, "server.weights_failed")
-                and [e for e in events(world, "server.weights_failed") if key in e["message"]]
-            ),
-            SERVE_TIMEOUT_S,
-            why=world.why,
-        )
-        assert words in failed[0]["message"].lower(), failed[0]
+
+        def failures(key: str = key) -> list[dict[str, Any]]:
+            return [e for e in events(world, "server.weights_failed") if key in e["message"]]
+
+        seen_failed = wait_for(f"{key} failed on a spare", failures, SERVE_TIMEOUT_S, why=world.why)
+        assert words in seen_failed[0]["message"].lower(), seen_failed[0]
         on_deployment = [
             e
             for e in events(world, "deployment.weights_failed", subject=f"b-{version}")
             if key in e["message"]
         ]
         assert on_deployment, f"no deployment.weights_failed for {key}"
-        figures.append(f"{key}: {failed[0]['message']}")
+        figures.append(f"{key}: {seen_failed[0]['message']}")
     for version in broken:
         world.api("PATCH", f"/deployments/b-{version}", json={"cached_spares": 0})
     wait_for(
@@ -417,11 +413,14 @@ def test_weights_reach_the_gpus_staged_cached_and_rolled_out(
     # 3. chat on v1, one spare pre-staged: cut → resumed; flipped byte → discarded, again.
     v1 = f"{MODEL}@v1"
     world.api("POST", "/deployments", json=deployment("chat", "v1", cached_spares=1))
+
+    def staged_spares() -> list[str]:
+        held = holders(world, v1)
+        states = world.states()
+        return held if held and all(states[name] == "warm" for name in held) else []
+
     [staged] = wait_for(
-        "a spare holding v1 and back to warm",
-        lambda: (h := holders(world, v1)) and all(world.states()[s] == "warm" for s in h) and h,
-        SERVE_TIMEOUT_S,
-        why=world.why,
+        "a spare holding v1 and back to warm", staged_spares, SERVE_TIMEOUT_S, why=world.why
     )
     seen = sources.faulty.files.seen
     big = [s for s in seen if s.path == "v1-shard1.safetensors"]
