@@ -88,7 +88,7 @@ class AgentSettings(BaseSettings):
     # file system's size. Fetches: chunk size, per-read timeout, retry of a failed version.
     cache_dir: Path | None = None
     cache_bytes: int | None = Field(default=None, ge=0)
-    fetch_chunk_bytes: int = Field(default=8 << 20, ge=64 << 10, le=256 << 20)
+    fetch_chunk_bytes: int = Field(default=1 << 20, ge=64 << 10, le=256 << 20)
     fetch_timeout_s: float = Field(default=30.0, gt=0)
     fetch_retry_s: float = Field(default=30.0, gt=0)
     # s3:// artifacts: FLEET_AGENT_S3_ENDPOINT_URL, _REGION, _ACCESS_KEY_ID,

@@ -133,10 +133,27 @@ def _blocks(size: int, seed: int) -> list[tuple[int, bytes]]:
     return ordered
 
 
-def sparse_file(path: Path, size: int, *, seed: int = 0) -> WeightFile:
-    """Write (or rewrite) `path` as a sparse file of `size` bytes; its sha256 from the layout."""
+def _marks(size: int, every: int, seed: int, taken: list[tuple[int, bytes]]) -> list[int]:
+    """Offsets of 8-byte marks every `every` bytes that miss the random blocks."""
+    spans = [(o, o + len(d)) for o, d in taken]
+    return [
+        o for o in range(0, size - 8, every) if not any(start - 8 < o < end for start, end in spans)
+    ]
+
+
+def sparse_file(
+    path: Path, size: int, *, seed: int = 0, mark_every: int | None = None
+) -> WeightFile:
+    """Write (or rewrite) `path` as a sparse file of `size` bytes; its sha256 from the layout.
+    `mark_every`: also 8 random bytes every that many bytes, so that no block of that size
+    is all zeros (the fetcher writes such blocks as holes; curl does not): a file that costs
+    one page of disk per mark and that every downloader must write out in full."""
     path.parent.mkdir(parents=True, exist_ok=True)
     blocks = _blocks(size, seed)
+    if mark_every is not None:
+        rng = random.Random(f"marks-{seed}-{size}")
+        marks = [(o, rng.randbytes(8)) for o in _marks(size, mark_every, seed, blocks)]
+        blocks = sorted(blocks + marks)
     with path.open("wb") as f:
         f.truncate(size)
         for offset, data in blocks:

@@ -163,7 +163,7 @@ class WeightsCache:
         *,
         fetcher: Fetcher | None = None,
         s3: Any = None,
-        chunk_bytes: int = 8 << 20,
+        chunk_bytes: int = 1 << 20,
         timeout_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
