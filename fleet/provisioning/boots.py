@@ -19,12 +19,19 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet.catalog.refs import holds_ready, key_for_id, server_version_id
+from fleet.catalog.refs import (
+    artifacts_of,
+    holds_ready,
+    is_external,
+    key_for_id,
+    key_of,
+    server_version_id,
+)
 from fleet.errors import FleetError, NotFoundError
 from fleet.inventory.servers import NO_PASSWORD
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Pool, Rack, Server, Site, utcnow
+from fleet.models import Deployment, ModelVersion, Pool, Rack, Server, Site, utcnow
 
 # The placement lock (the headroom check and the commitment, atomic across processes) is the
 # budget gate's: one lock for every path that raises a rack's draw. Re-exported for the tick.
@@ -64,10 +71,17 @@ def ready_keys(server: Server) -> tuple[str, ...]:
 
 def want_for(session: Session, deployment: Deployment, servers: int) -> placement.Want:
     """What placement is asked for `servers` more servers of the deployment: its version's
-    key is what a spare's cache should hold."""
+    key is what a spare's cache should hold (none for an external version: no spare ever
+    fetches or holds it)."""
+    version = (
+        session.get(ModelVersion, deployment.model_version_id)
+        if deployment.model_version_id is not None
+        else None
+    )
+    external = version is not None and is_external(artifacts_of(session, version))
     return placement.Want(
         deployment=deployment.name,
-        model=key_for_id(session, deployment.model_version_id) or "",
+        model="" if external or version is None else key_of(version),
         gpu_models=tuple(deployment.gpu_models),
         gpus_per_replica=deployment.gpus_per_replica,
         servers=servers,

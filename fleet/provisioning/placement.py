@@ -265,7 +265,11 @@ def why(
     if holds(spare, want):
         cache = f"version {want.model} cached"
     else:
-        cache = f"version {want.model} not cached: fetches first" if want.model else "no version"
+        cache = (
+            f"version {want.model} not cached: fetches first"
+            if want.model
+            else "weights delivered outside Fleet"
+        )
     line = f"{cache}; {spare.gpu_model} in rack {spare.rack}"
     if named:
         line = f"{spare.name}: {line}"
