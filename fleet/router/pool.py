@@ -123,9 +123,17 @@ class DeploymentPool:
 
     def _choose_by_version(self, candidates: list[Replica], request: Request) -> Replica | None:
         stable = [r for r in candidates if self._side(r) == 0]
-        canary = [r for r in candidates if self._side(r) == 1] if self.canary else []
+        # A canary at weight 0 (servers still moving, or rolled back) takes nothing, not even
+        # what the stable side cannot: it has not been judged.
+        canary = [r for r in candidates if self._side(r) == 1] if self.canary_weight > 0 else []
+        if not stable and not canary:
+            # Only replicas of another version: the deployment was switched outright (no
+            # canary) and its servers still serve the old version until the new one is in
+            # their cache. Serving them beats refusing every request meanwhile; where any
+            # replica of the stable or canary version exists (a rollback), they get nothing.
+            return self.strategy.choose(candidates, request, self.clock())
         first, second = stable, canary
-        if canary and self.canary_weight > 0:
+        if canary:
             self.credit += self.canary_weight
             if self.credit >= 0.5:
                 self.credit -= 1.0

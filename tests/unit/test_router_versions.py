@@ -69,6 +69,34 @@ def test_without_a_canary_every_request_goes_to_the_stable_version() -> None:
     assert sent(p, 50) == {V1: 50}
 
 
+def test_a_deployment_switched_outright_serves_on_from_the_old_version_meanwhile() -> None:
+    """PATCH model_version (no canary): every server still runs v1 until v2 is in its cache.
+    Refusing every request meanwhile would be an outage as long as the fetch."""
+    p = pool({"http://a": V1, "http://b": V1})
+    p.set_versions(V2, "", 0.0)
+    assert sent(p, 10) == {V1: 10}
+    p.replicas["http://b"].version = V2  # one has moved: the new version only from now on
+    p.refresh_versions()
+    assert sent(p, 10) == {V2: 10}
+
+
+def test_a_canary_at_weight_0_takes_nothing_even_when_the_stable_side_is_busy() -> None:
+    p = pool({"http://a": V1, "http://c": V2}, limit=1)
+    p.set_versions(V1, V2, 0.0)  # servers moving to the canary, no window open yet
+
+    async def run() -> str:
+        held = await p.acquire(REQ, "interactive", timeout=1)  # the stable replica is full
+        try:
+            await p.acquire(REQ, "interactive", timeout=0.05)
+        except Exception as exc:  # NoReplica: waited, nothing freed up
+            return type(exc).__name__
+        finally:
+            p.release(held, output_tokens=10, ok=True, failed=False)
+        return "chosen"
+
+    assert asyncio.run(run()) == "NoReplica"
+
+
 def test_a_side_with_nothing_available_hands_its_turn_to_the_other() -> None:
     p = pool({"http://a": V1, "http://c": V2})
     p.set_versions(V1, V2, 0.5)
