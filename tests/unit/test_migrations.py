@@ -106,3 +106,45 @@ def test_existing_deployments_survive_0012_with_an_external_version(fresh_url: s
             assert external_version(session, uri, checksum).id == version.id
     finally:
         engine.dispose()
+
+
+def test_0012_names_odd_legacy_deployments_as_the_catalog_does(fresh_url: str) -> None:
+    """A URI whose basename starts with '_' and a checksum longer than a digest (sha512):
+    the migration's version must be a valid name and the one the catalog finds again for the
+    same URI and checksum (else re-applying an unchanged inventory is a 409)."""
+    from fleet.catalog.versions import external_version
+    from fleet.models import Deployment, ModelVersion
+    from fleet_core.weights import NAME_RE
+
+    engine = fleet_db.make_engine(fresh_url)
+    odd = [
+        ("a", "s3://b/_llama_", "sha256:" + "cd" * 32),
+        ("b", "s3://b/llama-3.1-8b", "sha512:" + "ef" * 64),
+    ]
+    try:
+        config = fleet_db.alembic_config(engine)
+        command.upgrade(config, "0011")
+        now = "2026-12-01 00:00:00+00:00"
+        with engine.begin() as conn:
+            for name, uri, checksum in odd:
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO deployment (name, model_uri, model_checksum, engine_params,"
+                        " gpus_per_replica, gpu_models, min_replicas, max_replicas,"
+                        " sla_p95_latency_ms, sla_ttft_ms, disruption_budget, created_at,"
+                        " updated_at)"
+                        " VALUES (:n, :u, :c, '{}', 1, '[]', 0, 1, 2000, 300, 1, :t, :t)"
+                    ),
+                    {"n": name, "u": uri, "c": checksum, "t": now},
+                )
+        command.upgrade(config, "head")
+        with Session(engine) as session:
+            for name, uri, checksum in odd:
+                dep = session.exec(select(Deployment).where(Deployment.name == name)).one()
+                version = session.get(ModelVersion, dep.model_version_id)
+                assert version is not None
+                assert NAME_RE.match(version.model), version.model
+                assert len(version.digest) <= 71
+                assert external_version(session, uri, checksum).id == version.id
+    finally:
+        engine.dispose()

@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
 import sqlalchemy as sa
 from alembic import op
@@ -29,13 +29,24 @@ depends_on: str | Sequence[str] | None = None
 _TS = sa.DateTime(timezone=True)
 
 
+# The same rules as fleet/catalog/versions.py's legacy_model_name and legacy_digest (kept
+# here as they are today: a migration must not change when the code does), so that a
+# deployment given the same model_uri and checksum later finds the version made here.
+
+
 def _legacy_name(uri: str) -> tuple[str, str]:
     """(model name, artifact name) for a deployment's old model_uri: the URI's basename."""
-    parsed = urlparse(uri)
+    parsed = urlsplit(uri)
     path = parsed.path if parsed.scheme else uri
     base = PurePosixPath(path.rstrip("/")).name or parsed.netloc or "model"
-    model = re.sub(r"[^A-Za-z0-9._-]", "-", base).strip(".-")[:63] or "model"
-    return model, base[:255]
+    model = re.sub(r"[^A-Za-z0-9._-]", "-", base).strip("._-")[:63].rstrip("._-") or "model"
+    return model, base[:255] or "model"
+
+
+def _legacy_digest(checksum: str) -> str:
+    if len(checksum) <= 71:
+        return checksum
+    return "sha256:" + hashlib.sha256(checksum.encode()).hexdigest()
 
 
 def upgrade() -> None:
@@ -119,7 +130,7 @@ def upgrade() -> None:
                     "m": model,
                     "v": version,
                     "d": "weights delivered outside Fleet (before model versions)",
-                    "g": checksum[:71],
+                    "g": _legacy_digest(checksum),
                     "t": now,
                 },
             )
