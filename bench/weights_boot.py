@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
+from colo_world import ipmi_inventory  # noqa: E402
 from weights_peers import nginx_binary, nginx_peer, sparse_file  # noqa: E402
 
 from fleet import db  # noqa: E402
@@ -54,32 +54,6 @@ BOUND_S = 600.0
 
 class SetupError(RuntimeError):
     """Something the measurement needs did not come up."""
-
-
-def inventory() -> str:
-    feeds = [
-        {"name": f"{side.lower()}1", "side": side, "volts": 415, "amps": 63, "phase": "three"}
-        for side in "AB"
-    ]
-    rows = [
-        {
-            "name": name,
-            "u": 1 + 2 * i,
-            "u_height": 2,
-            "gpu": {"model": "H100", "count": 1},
-            "power": {"idle_w": 700, "standby_w": 60, "max_w": 1500},
-            "bmc": {
-                "protocol": "ipmi",
-                "address": "10.0.0.1",
-                "port": 623,
-                "username": "root",
-                "password": "not-used-by-the-lab",
-            },
-        }
-        for i, name in enumerate(SERVERS)
-    ]
-    doc = {"sites": [{"name": "b", "racks": [{"name": "b-r1", "feeds": feeds, "servers": rows}]}]}
-    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def one_round(work: Path, size: int, boot_delay: float) -> tuple[float, float]:
@@ -122,7 +96,7 @@ def one_round(work: Path, size: int, boot_delay: float) -> tuple[float, float]:
         colo = start_lab(
             service.url,
             token,
-            inventory(),
+            ipmi_inventory("b", "b-r1", SERVERS, "H100", 1),
             work / "lab",
             token_for=lab_token_maker(engine),
             boot_delay_s=boot_delay,
