@@ -57,6 +57,23 @@ _SECRET_PARAMS = frozenset(
 )
 
 
+def credential_problem(uri: str) -> str | None:
+    """Why `uri` may not be stored where viewers read it: a user name or password, or a
+    signature or token in its query (None: neither). Never echoes the URI."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:
+        return f"not a URI ({exc})"
+    if "@" in parts.netloc:
+        return (
+            "no user name or password in the URI (agents take S3 credentials from their "
+            "settings: FLEET_AGENT_S3_*)"
+        )
+    if any(k.lower() in _SECRET_PARAMS for k, _ in parse_qsl(parts.query, keep_blank_values=True)):
+        return "no signature or token in the URI's query (give s3://bucket/key instead)"
+    return None
+
+
 def uri_problem(uri: str) -> str | None:
     """Why an agent could not fetch `uri` safely (None: it can). Never echoes the URI: it may
     hold a credential."""
@@ -68,13 +85,13 @@ def uri_problem(uri: str) -> str | None:
     if scheme not in SCHEMES:
         given = f"scheme {scheme!r}" if scheme else "no scheme"
         return f"unknown URI {given} (accepted: {', '.join(s + '://' for s in SCHEMES)})"
-    if "@" in parts.netloc:
-        return (
-            "no user name or password in the URI (agents take S3 credentials from their "
-            "settings: FLEET_AGENT_S3_*)"
-        )
-    if any(k.lower() in _SECRET_PARAMS for k, _ in parse_qsl(parts.query, keep_blank_values=True)):
-        return "no signature or token in the URI's query (give s3://bucket/key instead)"
+    problem = credential_problem(uri)
+    if problem is not None:
+        return problem
+    try:
+        parts.port  # noqa: B018 (a malformed port raises only when read)
+    except ValueError:
+        return "the URI's port is not a port number (1-65535)"
     if scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             return "a file:// URI names an absolute path on the server (file:///path)"
@@ -441,6 +458,9 @@ def external_version(session: Session, uri: str, checksum: str, actor: str = "")
     """The `external` version for weights named by a URI and a checksum (delivered outside
     Fleet, as before versions): the existing one with that URI and digest, or a new one named
     "legacy-<12 hex>" as migration 0012 names them. The caller commits."""
+    problem = credential_problem(uri)
+    if problem is not None:  # the version's artifact is readable by every viewer
+        raise RulesBroken([f"model_uri: {problem}"])
     digest_ = legacy_digest(checksum)
     found = session.exec(
         select(ModelVersion)

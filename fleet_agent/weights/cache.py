@@ -41,7 +41,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from fleet_core.weights import engine_path, split_key, version_dir, version_key
+from fleet_core.weights import (
+    artifact_name_problem,
+    engine_path,
+    split_key,
+    version_dir,
+    version_key,
+)
 from fleet_core.wire import MAX_CACHE_ENTRIES, CachedVersion, CacheReport
 
 log = logging.getLogger("fleet_agent.weights")
@@ -372,6 +378,9 @@ class WeightsCache:
             entry = self._entries.setdefault(key, Entry(key, "incomplete"))
             entry.state, entry.error, entry.total_bytes = "fetching", None, total
         try:
+            problem = _names_problem(key, arts)
+            if problem is not None:
+                raise _Failed(problem)
             self._make_room(key, arts, keep)
             self._fetch_all(entry, arts, should_stop)
         except Stopped:
@@ -385,6 +394,14 @@ class WeightsCache:
                 entry.state, entry.error, entry.fetching_file = "failed", exc.message, None
                 entry.bytes = self._bytes_on_disk(key)
             log.error("weights %s failed: %s", key, exc.message)
+            return False
+        except Exception as exc:  # a fetcher's bug must fail the version, never leave it hanging
+            self.counters.fetch_failures += 1
+            message = f"{key}: unexpected {type(exc).__name__} while fetching"
+            with self._lock:
+                entry.state, entry.error, entry.fetching_file = "failed", message, None
+                entry.bytes = self._bytes_on_disk(key)
+            log.warning("weights %s failed: %s", key, message, exc_info=True)
             return False
         return True
 
@@ -582,6 +599,20 @@ class WeightsCache:
 
     def _bytes_on_disk(self, key: str) -> int:
         return _tree_bytes(version_dir(self.root, key)) + _tree_bytes(self._partial_dir(key))
+
+
+def _names_problem(key: str, arts: Sequence[ArtifactIn]) -> str | None:
+    """Why this version cannot be laid out in the cache (None: it can). The fleet checks the
+    same names when a version is created; an agent does not trust that it did."""
+    try:
+        split_key(key)
+    except ValueError as exc:
+        return str(exc)
+    for a in arts:
+        problem = artifact_name_problem(a.name)
+        if problem is not None:
+            return f"{key}: artifact name {a.name[:100]!r} {problem}"
+    return None
 
 
 class _Failed(Exception):

@@ -107,13 +107,20 @@ def get(
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise Status(0, reason="redirected to a URL the fetcher does not follow")
+        try:
+            port = parts.port  # a malformed port ("h:99999") raises here
+        except ValueError:
+            raise Status(0, reason="the URL's port is not a valid port number") from None
         sent = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers}
         if offset > 0:
             sent["Range"] = f"bytes={offset}-"
         if parts.username is not None and "Authorization" not in sent:
             userinfo = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
             sent["Authorization"] = "Basic " + base64.b64encode(userinfo.encode()).decode()
-        conn = _connection(parts.scheme, parts.hostname, parts.port, timeout, ssl_context)
+        try:
+            conn = _connection(parts.scheme, parts.hostname, port, timeout, ssl_context)
+        except (ValueError, http.client.HTTPException) as exc:  # InvalidURL and its kin
+            raise Status(0, reason=f"unusable URL ({_describe(exc)})") from None
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         try:
             conn.request("GET", target, headers=sent)

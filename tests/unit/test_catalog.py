@@ -166,6 +166,22 @@ def test_a_uri_with_a_credential_is_refused_without_echoing_it(session: Session)
         assert "hunter2" not in " ".join(errors)
 
 
+def test_a_uri_with_a_bad_port_is_refused(session: Session) -> None:
+    errors = problems(session, version_spec(uri="http://host:99999/w.bin"))
+    assert errors == ["artifacts[0].uri: the URI's port is not a port number (1-65535)"], errors
+
+
+def test_a_legacy_model_uri_with_a_credential_is_refused(session: Session) -> None:
+    """Its external version's artifact is readable by every viewer: no password there."""
+    from fleet.catalog.versions import external_version
+    from fleet.errors import RulesBroken
+
+    with pytest.raises(RulesBroken) as caught:
+        external_version(session, "https://alice:hunter2-secret@host/llama", "sha256:1")
+    assert caught.value.errors[0].startswith("model_uri: no user name or password")
+    assert "hunter2" not in " ".join(caught.value.errors)
+
+
 def test_bad_names_and_duplicates(session: Session) -> None:
     # A name that is no path component is refused by the schema itself (422).
     with pytest.raises(ValidationError, match="version"):

@@ -279,6 +279,43 @@ def test_unreachable_and_unknown_sources_fail_with_one_line(tmp_path: Path, src:
     assert "w.bin" in error and "gopher" in error and "\n" not in error
 
 
+def test_a_malformed_url_fails_the_version_instead_of_hanging(tmp_path: Path) -> None:
+    """A port no fetcher can use raised a ValueError past the cache: the version stayed
+    'fetching' with no error, and the fleet never heard of it."""
+    ref = ModelRef(
+        model="m",
+        version="v1",
+        key="m@v1",
+        artifacts=[
+            ArtifactRef(
+                name="w.bin", uri="http://127.0.0.1:99999/w.bin", sha256="0" * 64, size_bytes=1
+            )
+        ],
+    )
+    cache = new_cache(tmp_path)
+    assert cache.ensure(ref) is False
+    [entry] = cache.report().entries
+    assert entry.state == "failed" and "port" in (entry.error or ""), entry
+
+
+def test_a_name_outside_the_version_directory_is_refused_by_the_agent(
+    tmp_path: Path, src: Path
+) -> None:
+    """The fleet refuses such names at creation; the agent does not count on it."""
+    good = make_version(src, "m", "v1", {"w.bin": b"weights"})
+    for name in ("../../escape.bin", "/etc/escape.bin", ".hidden"):
+        ref = good.model_copy(
+            update={"artifacts": [good.artifacts[0].model_copy(update={"name": name})]}
+        )
+        cache = new_cache(tmp_path)
+        assert cache.ensure(ref) is False
+        [entry] = cache.report().entries
+        assert entry.state == "failed" and "artifact name" in (entry.error or ""), entry
+    assert (
+        not (tmp_path / "escape.bin").exists() and not (tmp_path / "cache" / "escape.bin").exists()
+    )
+
+
 def test_a_stopped_fetch_keeps_its_partial(tmp_path: Path, src: Path) -> None:
     data = blob(512 * KIB)
     ref = make_version(src, "m", "v1", {"w.bin": data})
