@@ -214,6 +214,21 @@ def _keep(session: Session, server: Server) -> list[str]:
         if deployment is not None:
             ids += [deployment.model_version_id, deployment.canary_version_id]
     keys = {key_for_id(session, i) for i in ids if i is not None}
+    if server.stage_version_id is not None:
+        # A spare staging one version keeps those it holds for other deployments' cached
+        # spares: it fails "does not fit" (and is not picked for that version again for a
+        # while) rather than evicting them, which would have another spare staged for them,
+        # round after round.
+        staged_for = session.exec(
+            select(Deployment.model_version_id).where(Deployment.cached_spares > 0)
+        )
+        goals = {key_for_id(session, i) for i in staged_for if i is not None}
+        held = {
+            e.get("key")
+            for e in server.cache_entries or []
+            if isinstance(e, dict) and e.get("state") == "ready"
+        }
+        keys |= goals & held
     return sorted(k for k in keys if k is not None)
 
 

@@ -558,3 +558,37 @@ def test_no_stage_starts_while_a_deployment_is_short(
     result = tick(db)
     assert any("short of target" in e for e in result.errors)
     assert staging(db) == []
+
+
+def test_a_staging_spare_keeps_what_it_holds_for_another_deployments_spares(
+    db: Engine, session: Session, fleet: dict[str, Any]
+) -> None:
+    """Two deployments with cached spares and caches that hold one version: were the staging
+    spare to evict the other's version, a spare would be staged for that one next, round after
+    round. Its assignment keeps it: the agent fails 'does not fit' instead."""
+    from fleet.registry.agent_reports import assignment_for
+
+    other = Deployment(
+        name="other",
+        model_uri="llama",
+        model_checksum="sha256:" + "1" * 64,
+        model_version_id=fleet["v1"],
+        gpus_per_replica=8,
+        gpu_models=["H100"],
+        max_replicas=8,
+        sla_p95_latency_ms=2000,
+        sla_ttft_ms=300,
+        cached_spares=1,
+    )
+    session.add(other)
+    session.commit()
+    report(db, "r1-gpu0", entries=[{"key": V1, "state": "ready", "bytes": 3 * GB}])
+    with Session(db) as s:
+        server = s.exec(select(Server).where(Server.name == "r1-gpu0")).one()
+        server.stage_version_id = fleet["v2"]
+        assert set(assignment_for(s, server).keep) == {V1, V2}
+        other_row = s.exec(select(Deployment).where(Deployment.name == "other")).one()
+        other_row.cached_spares = 0  # no longer anyone's goal: it may go
+        s.add(other_row)
+        s.flush()
+        assert assignment_for(s, server).keep == [V2]
