@@ -89,8 +89,10 @@ def uri_problem(uri: str) -> str | None:
     if problem is not None:
         return problem
     try:
-        parts.port  # noqa: B018 (a malformed port raises only when read)
+        port = parts.port  # a malformed port ("h:99999", "h:x") raises only when read
     except ValueError:
+        port = 0
+    if port == 0:  # urllib takes ":0"; no agent can connect there
         return "the URI's port is not a port number (1-65535)"
     if scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):

@@ -369,16 +369,25 @@ class WeightsCache:
     ) -> bool:
         """Fetch and verify every artifact of `ref` not yet in place. True: ready. False: it
         failed (the entry says why). Raises Stopped when `should_stop` said so."""
-        if ref.external or self.is_ready(ref):
+        if ref.external:
             return True
         key = ref.key
+        try:
+            split_key(key)
+        except ValueError as exc:
+            # No entry: the key is no directory of this cache, nor a key the report may carry.
+            self.counters.fetch_failures += 1
+            log.error("weights: refused a version: %s", exc)
+            return False
+        if self.is_ready(ref):
+            return True
         arts = sorted(ref.artifacts, key=lambda a: a.name)
         total = sum(a.size_bytes or 0 for a in arts)
         with self._lock:
             entry = self._entries.setdefault(key, Entry(key, "incomplete"))
             entry.state, entry.error, entry.total_bytes = "fetching", None, total
         try:
-            problem = _names_problem(key, arts)
+            problem = _names_problem(self.root, key, arts)
             if problem is not None:
                 raise _Failed(problem)
             self._make_room(key, arts, keep)
@@ -601,15 +610,17 @@ class WeightsCache:
         return _tree_bytes(version_dir(self.root, key)) + _tree_bytes(self._partial_dir(key))
 
 
-def _names_problem(key: str, arts: Sequence[ArtifactIn]) -> str | None:
+def _names_problem(root: Path, key: str, arts: Sequence[ArtifactIn]) -> str | None:
     """Why this version cannot be laid out in the cache (None: it can). The fleet checks the
-    same names when a version is created; an agent does not trust that it did."""
-    try:
-        split_key(key)
-    except ValueError as exc:
-        return str(exc)
+    same names when a version is created; an agent does not trust that it did: a name must be
+    a plain relative path, and must still land inside the engine directory once resolved (a
+    symlink left in the cache must not carry a write elsewhere). `key` is checked already."""
+    edir = engine_path(root, key)
+    inside = edir.resolve()
     for a in arts:
         problem = artifact_name_problem(a.name)
+        if problem is None and not (edir / a.name).resolve().is_relative_to(inside):
+            problem = "resolves outside the version's directory"
         if problem is not None:
             return f"{key}: artifact name {a.name[:100]!r} {problem}"
     return None

@@ -153,11 +153,10 @@ def display_uri(uri: str) -> str:
     fragment (a presigned URL's signature lives in its query)."""
     try:
         parts = urlsplit(uri)
-        host = parts.hostname or ""
-        port = parts.port
-    except ValueError:
+    except ValueError:  # a bracket left open ("http://[::1/w"): the scheme is all that is safe
         return uri.split(":", 1)[0][:16] + ":…"
-    netloc = host + (f":{port}" if port is not None else "")
+    # What follows the last "@" is host and port: no credential, even where the port is bad.
+    netloc = parts.netloc.rpartition("@")[2][:100]
     shown = f"{parts.scheme}://{netloc}{parts.path}" if parts.scheme else parts.path
     return shown[:300]
 
@@ -183,7 +182,10 @@ def fetch(
     name, uri = artifact.name, artifact.uri
     expected_sha = artifact.sha256
     expected_size = artifact.size_bytes
-    scheme = urlsplit(uri).scheme.lower() if "://" in uri else ""
+    try:
+        scheme = urlsplit(uri).scheme.lower() if "://" in uri else ""
+    except ValueError as exc:  # "http://[::1/w": refused like any source that cannot be asked
+        raise SourceRefused(name, uri, f"not a usable URI ({exc})") from None
     if scheme not in SCHEMES:
         raise UnknownScheme(
             name, uri, f"unknown scheme {scheme or '(none)'!r} (accepted: {', '.join(SCHEMES)})"

@@ -16,7 +16,7 @@ import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 MAX_REDIRECTS = 5
 # The first bytes of an error body read for its S3/XML error code; never more.
@@ -102,15 +102,17 @@ def get(
     MAX_REDIRECTS, http(s) only; credentials are not carried to another host) unless
     `follow_redirects` is off (s3: a signed request is only valid for its host)."""
     url, headers = request_for(offset)
-    origin = urlsplit(url).netloc
+    origin = _split(url).netloc
     for _ in range(MAX_REDIRECTS + 1):
-        parts = urlsplit(url)
+        parts = _split(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise Status(0, reason="redirected to a URL the fetcher does not follow")
         try:
-            port = parts.port  # a malformed port ("h:99999") raises here
+            port = parts.port  # a malformed port ("h:99999", "h:x") raises here
         except ValueError:
-            raise Status(0, reason="the URL's port is not a valid port number") from None
+            port = 0
+        if port == 0:
+            raise Status(0, reason="the URL's port is not a port number (1-65535)")
         sent = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers}
         if offset > 0:
             sent["Range"] = f"bytes={offset}-"
@@ -137,8 +139,11 @@ def get(
             conn.close()
             if not location:
                 raise Status(status, reason="redirect without a Location")
-            url = urljoin(url, location)
-            if urlsplit(url).netloc != origin:
+            try:
+                url = urljoin(url, location)
+            except ValueError:
+                raise Status(status, reason="redirected to a URL that cannot be parsed") from None
+            if _split(url).netloc != origin:
                 headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             continue
         if status in (200, 206):
@@ -150,6 +155,15 @@ def get(
         finally:
             conn.close()
     raise Status(0, reason=f"more than {MAX_REDIRECTS} redirects")
+
+
+def _split(url: str) -> SplitResult:
+    """urlsplit, with its ValueError ("http://[::1/w") as a final Status: never a bare
+    ValueError past the fetcher."""
+    try:
+        return urlsplit(url)
+    except ValueError:
+        raise Status(0, reason="the URL cannot be parsed") from None
 
 
 def _connection(

@@ -166,9 +166,31 @@ def test_a_uri_with_a_credential_is_refused_without_echoing_it(session: Session)
         assert "hunter2" not in " ".join(errors)
 
 
-def test_a_uri_with_a_bad_port_is_refused(session: Session) -> None:
-    errors = problems(session, version_spec(uri="http://host:99999/w.bin"))
-    assert errors == ["artifacts[0].uri: the URI's port is not a port number (1-65535)"], errors
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "http://host:99999/w.bin",
+        "https://host:65536/w.bin",
+        "http://host:0/w.bin",
+        "http://host:http/w.bin",
+        "https://host:-1/w.bin",
+        "s3://bucket:x/w.bin",
+    ],
+)
+def test_a_uri_with_a_bad_port_is_a_400(session: Session, uri: str) -> None:
+    """An agent's fetcher cannot use it: refused when the version is created, not found out
+    on every agent."""
+    with pytest.raises(RulesBroken) as info:
+        catalog.add_version(session, version_spec(uri=uri), ACTOR)
+    session.rollback()
+    assert info.value.status_code == 400
+    assert info.value.errors == [
+        "artifacts[0].uri: the URI's port is not a port number (1-65535)"
+    ], info.value.errors
+
+
+def test_a_uri_with_a_good_port_is_taken(session: Session) -> None:
+    create(session, version_spec(uri="https://host:8443/w.bin"))
 
 
 def test_a_legacy_model_uri_with_a_credential_is_refused(session: Session) -> None:

@@ -279,23 +279,55 @@ def test_unreachable_and_unknown_sources_fail_with_one_line(tmp_path: Path, src:
     assert "w.bin" in error and "gopher" in error and "\n" not in error
 
 
-def test_a_malformed_url_fails_the_version_instead_of_hanging(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "http://u:hunter2@127.0.0.1:99999/w.bin",
+        "http://127.0.0.1:port/w.bin",
+        "https://ho st/w.bin",
+        "http://[::1/w.bin",
+    ],
+)
+def test_a_malformed_url_fails_the_version_instead_of_hanging(tmp_path: Path, uri: str) -> None:
     """A port no fetcher can use raised a ValueError past the cache: the version stayed
     'fetching' with no error, and the fleet never heard of it."""
     ref = ModelRef(
         model="m",
         version="v1",
         key="m@v1",
-        artifacts=[
-            ArtifactRef(
-                name="w.bin", uri="http://127.0.0.1:99999/w.bin", sha256="0" * 64, size_bytes=1
-            )
-        ],
+        artifacts=[ArtifactRef(name="w.bin", uri=uri, sha256="0" * 64, size_bytes=1)],
     )
     cache = new_cache(tmp_path)
-    assert cache.ensure(ref) is False
+    for _ in range(2):  # and again: failed each time, never stuck
+        assert cache.ensure(ref) is False
+        [entry] = cache.report().entries
+        error = entry.error or ""
+        assert entry.state == "failed" and error.startswith("w.bin from http"), entry
+        assert "unexpected" not in error and "hunter2" not in error and "\n" not in error
+
+
+def test_an_unexpected_fetcher_error_fails_the_version_with_one_line(
+    tmp_path: Path, src: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The last resort: whatever a fetcher raises, the version fails with a line the fleet
+    shows, and the trace is logged once (no message of the exception in the error: it may
+    hold a URI with its credential)."""
+    ref = make_version(src, "m", "v1", {"w.bin": b"weights"})
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise KeyError("https://u:hunter2@h/w.bin")
+
+    cache = new_cache(tmp_path, fetcher=broken)
+    with caplog.at_level("WARNING", logger="fleet_agent.weights"):
+        assert cache.ensure(ref) is False
     [entry] = cache.report().entries
-    assert entry.state == "failed" and "port" in (entry.error or ""), entry
+    assert (entry.state, entry.error) == ("failed", "m@v1: unexpected KeyError while fetching")
+    traces = [r for r in caplog.records if r.exc_info is not None]
+    assert len(traces) == 1 and traces[0].levelname == "WARNING"
+
+
+def _files_under(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() or p.is_symlink())
 
 
 def test_a_name_outside_the_version_directory_is_refused_by_the_agent(
@@ -303,17 +335,51 @@ def test_a_name_outside_the_version_directory_is_refused_by_the_agent(
 ) -> None:
     """The fleet refuses such names at creation; the agent does not count on it."""
     good = make_version(src, "m", "v1", {"w.bin": b"weights"})
-    for name in ("../../escape.bin", "/etc/escape.bin", ".hidden"):
+    sources = _files_under(tmp_path)
+    for name in ("../../escape.bin", "../../../../escape.bin", "/tmp/escape.bin", ".hidden"):
         ref = good.model_copy(
             update={"artifacts": [good.artifacts[0].model_copy(update={"name": name})]}
         )
         cache = new_cache(tmp_path)
         assert cache.ensure(ref) is False
         [entry] = cache.report().entries
-        assert entry.state == "failed" and "artifact name" in (entry.error or ""), entry
-    assert (
-        not (tmp_path / "escape.bin").exists() and not (tmp_path / "cache" / "escape.bin").exists()
+        error = entry.error or ""
+        assert entry.state == "failed" and error.startswith("m@v1: artifact name"), entry
+        assert repr(name) in error and "\n" not in error
+    assert _files_under(tmp_path) == sources  # nothing written anywhere
+    assert not Path("/tmp/escape.bin").exists()
+
+
+def test_a_name_through_a_symlink_out_of_the_cache_is_refused(tmp_path: Path, src: Path) -> None:
+    """A plain name that a link left in the engine directory would carry elsewhere."""
+    ref = make_version(src, "m", "v1", {"sub/w.bin": b"weights"})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cache = new_cache(tmp_path)
+    edir = engine_path(cache.root, ref.key)
+    edir.mkdir(parents=True)
+    (edir / "sub").symlink_to(outside)
+    assert cache.ensure(ref) is False
+    [entry] = cache.report().entries
+    assert entry.state == "failed" and "resolves outside" in (entry.error or ""), entry
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize(("model", "version"), [("..", "v1"), ("m", "../x"), ("m/x", "v1")])
+def test_a_bad_model_or_version_name_is_refused_by_the_agent(
+    tmp_path: Path, src: Path, model: str, version: str
+) -> None:
+    """Its key names no directory of the cache (nor one the report may carry): refused, no
+    entry, nothing written."""
+    good = make_version(src, "m", "v1", {"w.bin": b"weights"})
+    ref = ModelRef.model_construct(
+        model=model, version=version, key=f"{model}@{version}", artifacts=good.artifacts
     )
+    sources = _files_under(tmp_path)
+    cache = new_cache(tmp_path)
+    assert cache.ensure(ref) is False
+    assert cache.report().entries == [] and cache.counters.fetch_failures == 1
+    assert _files_under(tmp_path) == sources
 
 
 def test_a_stopped_fetch_keeps_its_partial(tmp_path: Path, src: Path) -> None:

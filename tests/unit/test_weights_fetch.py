@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import http.server
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -175,6 +177,73 @@ def test_display_uri() -> None:
     assert display_uri("s3://bucket/some/key") == "s3://bucket/some/key"
     assert display_uri("file:///models/x") == "file:///models/x"
     assert display_uri("http://[bad") == "http:…"
+    # A bad port still shows where it points; the credential before it never.
+    assert display_uri("http://u:hunter2@h:99999/w?sig=1") == "http://h:99999/w"
+
+
+@pytest.mark.parametrize(
+    ("uri", "reason"),
+    [
+        ("http://u:hunter2@127.0.0.1:99999/w.bin", "port is not a port number"),
+        ("http://127.0.0.1:http/w.bin", "port is not a port number"),
+        ("http://127.0.0.1:0/w.bin", "port is not a port number"),
+        ("https://ho st/w.bin", "unusable URL (InvalidURL)"),
+        ("http://[::1/w.bin", "not a usable URI"),
+    ],
+)
+def test_a_malformed_url_is_a_refused_source_at_once(tmp_path: Path, uri: str, reason: str) -> None:
+    """Not a ValueError past the fetcher (the cache left the version 'fetching' for ever), and
+    not a retry: no try can make such a URL usable."""
+    ref = ArtifactRef(name="w.bin", uri=uri, sha256="0" * 64, size_bytes=10)
+    with pytest.raises(SourceRefused) as caught:
+        fetch(ref, tmp_path / "p", retries=3, backoff_s=5.0, timeout=2)  # a retry would show
+    text = str(caught.value)
+    assert text.startswith("w.bin from ") and reason in text, text
+    assert "hunter2" not in text and "\n" not in text
+
+
+class _Redirector(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with a 302 to the Location the test sets on the server."""
+
+    def do_GET(self) -> None:
+        self.send_response(302)
+        self.send_header("Location", self.server.location)  # type: ignore[attr-defined]
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("location", "reason"),
+    [
+        ("http://127.0.0.1:99999/elsewhere", "port is not a port number"),
+        ("http://[::1/elsewhere", "cannot be parsed"),
+        ("ftp://127.0.0.1/elsewhere", "does not follow"),
+    ],
+)
+def test_a_redirect_to_a_malformed_url_is_refused(
+    tmp_path: Path, location: str, reason: str
+) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Redirector)
+    server.location = location  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        port = server.server_address[1]
+        ref = ArtifactRef(
+            name="w.bin", uri=f"http://127.0.0.1:{port}/w.bin", sha256="0" * 64, size_bytes=10
+        )
+        with pytest.raises(SourceRefused) as caught:
+            fetch(ref, tmp_path / "p", retries=1, backoff_s=0.01, timeout=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+    text = str(caught.value)
+    assert text.startswith(f"w.bin from http://127.0.0.1:{port}/w.bin: ") and reason in text, text
+    assert caught.value.status in (0, 302)
 
 
 def test_sigv4_matches_awss_published_get_object_example() -> None:
