@@ -638,6 +638,21 @@ def _run_every_command(
     cmd(("deployments", "scale"), DEPLOYMENT, "--replicas", "2")
     cmd(("deployments", "scale"), DEPLOYMENT, "--auto")
     cmd(("deployments", "scale"), DEPLOYMENT, code=1)  # neither: one line
+    # Model versions and a rollout (started, looked at, rolled back by hand; no server moves
+    # while none serves) of a new version of the deployment's model.
+    shown = json.loads(cmd(("deployments", "show"), DEPLOYMENT, "-o", "json").stdout)
+    model = shown["model_version"].split("@")[0]
+    artifact = f"name=w.bin,uri=s3://weights/{model}/v9/w.bin,sha256={'ab' * 32},size=1"
+    cmd(("models", "create"), f"{model}@v9", "--artifact", artifact)
+    cmd(("models", "create"), f"{model}@v9", "--artifact", artifact, code=1)  # immutable
+    cmd(("models", "list"))
+    cmd(("models", "show"), f"{model}@v9")
+    cmd(("models", "where"), f"{model}@v9")
+    cmd(("deployments", "rollout"), DEPLOYMENT, "--version", "v9", "--canary", "10%")
+    cmd(("deployments", "rollout-status"), DEPLOYMENT)
+    cmd(("deployments", "rollback"), DEPLOYMENT, "--reason", "cli")
+    cmd(("deployments", "rollback"), DEPLOYMENT, code=1)  # none running: one line
+    cmd(("models", "delete"), f"{model}@v9")
     # The calendar (the re-imports above put the deployment's max_replicas back to 1).
     spec = ("--cron", "0 9 * * 1-5", "--tz", "Europe/Berlin")
     new = (DEPLOYMENT, "--min-replicas", "1", *spec)
