@@ -549,7 +549,10 @@ def _check_scale_up(world: ScalingWorld, up: dict[str, Any], over_at: float, aft
     assert up["rule"] in ("max", "queue_high"), up
     assert "queue " in up["reason"] and f"> {QUEUE_PER_GPU:g}/GPU" in up["reason"], up["reason"]
     if up["rule"] == "max":
-        assert up["reason"].endswith(f"capped at max {MAX_REPLICAS} (queue_high)"), up["reason"]
+        # The policy's reason, then where the first new replica goes (the placement note).
+        policy, _, placement = up["reason"].partition("; placement: ")
+        assert policy.endswith(f"capped at max {MAX_REPLICAS} (queue_high)"), up["reason"]
+        assert placement, up["reason"]
     inputs = up["inputs"]
     assert inputs["queue_per_gpu"] > QUEUE_PER_GPU and inputs["serving"] == 1, inputs
     assert inputs["up_window_s"] == UP_WINDOW_S

@@ -26,6 +26,7 @@ servers it needs, so the tests do not depend on their order.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -99,6 +100,7 @@ SITE = "e2e"
 R1, R2, R3 = "e2e-r01", "e2e-r02", "e2e-r03"
 DEPLOYMENT = "llama-8b"
 MODEL_URI = "s3://models/llama-3.1-8b"
+MODEL, MODEL_VERSION = "llama-3.1-8b", "v1"
 # 4-GPU H100 boxes: one 4-GPU replica each, so one stand-in engine per agent (the processes a
 # 2-core machine runs at once stay few).
 H100_GPUS = 4
@@ -438,9 +440,29 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         # Scenario 2's servers stay out of the warm pool until it puts them in.
         for name in (BAD_PASSWORD, BAD_TOKEN):
             world.patch_server(name, pool="baseline")
+        # The deployment's weights are a version Fleet delivers (one small file): a spare
+        # whose cache holds it is the one placement picks first (scenarios 2 and 4).
+        weights = base / "weights.bin"
+        weights.write_bytes(b"stand-in weights\n" * 256)
+        world.api(
+            "POST",
+            "/models",
+            json={
+                "model": MODEL,
+                "version": MODEL_VERSION,
+                "artifacts": [
+                    {
+                        "name": "weights.bin",
+                        "uri": weights.as_uri(),
+                        "sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
+                        "size_bytes": weights.stat().st_size,
+                    }
+                ],
+            },
+        )
         created = world.fleetctl(
-            *("deployments", "create", DEPLOYMENT, "--model-uri", MODEL_URI),
-            *("--checksum", "sha256:1", "--sla-p95-ms", "2000", "--sla-ttft-ms", "300"),
+            *("deployments", "create", DEPLOYMENT, "--model-version", f"{MODEL}@{MODEL_VERSION}"),
+            *("--sla-p95-ms", "2000", "--sla-ttft-ms", "300"),
             *("--gpus-per-replica", str(GPUS_PER_REPLICA), "--gpu-model", "H100", "--max", "32"),
             *("--disruption-budget", "2", "--engine", "backend=pytorch"),
             *("--engine", f"tp_size={GPUS_PER_REPLICA}"),
