@@ -70,7 +70,7 @@ from fleet.validation import (
 from fleet.validation import (
     exactly_one_of as exactly_one_of,
 )
-from fleet_core.engine_command import (
+from fleet_core.engines.trtllm import (
     BACKENDS,
     BOOL_FLAGS,
     FLOAT_FLAGS,

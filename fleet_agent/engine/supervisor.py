@@ -50,13 +50,15 @@ import yaml
 
 from fleet_agent.engine.engine_metrics import PromSnapshot, parse_prometheus
 from fleet_agent.engine.replica_stats import ReplicaStats, update_stats
-from fleet_core.engine_command import (
-    check_engine_params,
+from fleet_core.engines.layout import (
     cuda_visible_devices,
-    extra_llm_api_options,
     model_path,
     replica_layout,
     replica_ports,
+)
+from fleet_core.engines.trtllm import (
+    check_engine_params,
+    extra_llm_api_options,
     trtllm_serve_argv,
 )
 

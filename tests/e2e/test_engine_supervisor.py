@@ -28,7 +28,7 @@ from procs import alive
 
 from fleet_agent.engine.engine_metrics import bucket_delta, histogram_quantile, parse_prometheus
 from fleet_agent.engine.supervisor import EngineSupervisor, SupervisorConfig
-from fleet_core.engine_command import extra_llm_api_options, trtllm_serve_argv
+from fleet_core.engines.trtllm import extra_llm_api_options, trtllm_serve_argv
 
 FAKE_ENGINE = textwrap.dedent(
     r"""

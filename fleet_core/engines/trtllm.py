@@ -1,7 +1,5 @@
-"""The `trtllm-serve` command line for one replica of a deployment (pure: data in, data out).
-
-In the core because both sides check a deployment's `engine_params` with it: the fleet when a
-deployment is written (fleet/models.py), the agent's supervisor before it starts an engine.
+"""TensorRT-LLM's `trtllm-serve`: the command line for one replica of a deployment, and the
+checks of its `engine_params` (pure: data in, data out; `TRTLLM` is its EngineSpec).
 
 Sources read (NVIDIA/TensorRT-LLM on GitHub):
 
@@ -31,9 +29,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path, PurePosixPath
 from typing import Any
-from urllib.parse import urlparse
+
+import yaml
+
+from fleet_core.engines.base import EngineSpec, Launch, LaunchSpec
 
 # engine_params key -> the trtllm-serve flag (see the module docstring for where each is read).
 INT_FLAGS: dict[str, str] = {
@@ -220,60 +220,6 @@ def trtllm_serve_argv(
     return argv
 
 
-def replica_layout(gpu_indexes: Sequence[int], gpus_per_replica: int) -> list[tuple[int, ...]]:
-    """⌊GPUs ÷ GPUs per replica⌋ groups of consecutive GPU indexes (sorted); the rest stay idle.
-
-    Fewer GPUs than one replica needs is a ValueError, not an empty layout: an empty set of
-    replicas would read as "every replica ready".
-    """
-    if isinstance(gpus_per_replica, bool) or gpus_per_replica < 1:
-        raise ValueError(f"gpus_per_replica must be a positive integer, not {gpus_per_replica!r}")
-    gpus = sorted(gpu_indexes)
-    if len(set(gpus)) != len(gpus):
-        raise ValueError(f"GPU indexes repeat: {list(gpu_indexes)}")
-    if any(g < 0 for g in gpus):
-        raise ValueError(f"GPU indexes must not be negative: {list(gpu_indexes)}")
-    count = len(gpus) // gpus_per_replica
-    if count == 0:
-        raise ValueError(
-            f"{len(gpus)} GPU(s) cannot hold one replica of {gpus_per_replica} GPUs: "
-            "no replica to run"
-        )
-    return [tuple(gpus[i * gpus_per_replica : (i + 1) * gpus_per_replica]) for i in range(count)]
-
-
-def replica_ports(base_port: int, replicas: int) -> list[int]:
-    """Replica i listens on base_port + i."""
-    if replicas < 0 or base_port < 1 or base_port + replicas - 1 > 65535:
-        raise ValueError(f"ports {base_port}..{base_port + replicas - 1} are out of range")
-    return [base_port + i for i in range(replicas)]
-
-
-def cuda_visible_devices(gpus: Sequence[int]) -> str:
-    """The CUDA_VISIBLE_DEVICES value that pins a replica to its GPUs ("2,3")."""
-    return ",".join(str(g) for g in gpus)
-
-
-def model_path(model_root: Path, deployment: str, model_uri: str) -> Path:
-    """Where a deployment's weights live on the host: model_root/<deployment>/<URI basename>.
-
-    s3://bucket/llama-3.1-8b -> model_root/<deployment>/llama-3.1-8b. Fetching the weights (and
-    checking model_checksum) happens before the engine starts and is not done here: on a real
-    host the path must exist; the stand-in engine ignores it.
-    """
-    _check_name(deployment, "deployment")
-    parsed = urlparse(model_uri)
-    path = parsed.path if parsed.scheme else model_uri
-    name = PurePosixPath(path.rstrip("/")).name or parsed.netloc
-    _check_name(name, f"the basename of model_uri {model_uri!r}")
-    return model_root / deployment / name
-
-
-def _check_name(name: str, what: str) -> None:
-    if not name or name in {".", ".."} or "/" in name or "\\" in name or "\0" in name:
-        raise ValueError(f"{what} ({name!r}) cannot name a directory")
-
-
 def _plain(value: Any) -> Any:
     """A deep copy made of plain dicts and lists (the YAML dumper's safe types)."""
     if isinstance(value, Mapping):
@@ -281,3 +227,61 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     return value
+
+
+EXTRA_OPTIONS_FILE = "extra-llm-api-options.yaml"
+
+
+class TrtllmEngine(EngineSpec):
+    name = "trtllm"
+    program = "trtllm-serve"
+    default_command = ("trtllm-serve",)
+    supported_versions = ">=1.0,<1.3"
+    parallel_keys = ("tp_size", "pp_size")
+
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        check_engine_params(params)
+
+    def max_batch_size(self, params: Mapping[str, Any]) -> int | None:
+        value = params.get("max_batch_size")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def launch(self, spec: LaunchSpec) -> Launch:
+        options = f"{spec.config_dir.rstrip('/')}/{EXTRA_OPTIONS_FILE}"
+        argv = trtllm_serve_argv(
+            spec.command, spec.model_path, spec.params, spec.host, spec.port, options
+        )
+        text = yaml.safe_dump(extra_llm_api_options(spec.params), sort_keys=True)
+        return Launch(argv, {EXTRA_OPTIONS_FILE: text})
+
+    def version_argv(self, command: Sequence[str]) -> list[str]:
+        return [*command, "--version"]
+
+    def params_schema(self) -> dict[str, Any]:
+        return params_schema()
+
+
+def params_schema() -> dict[str, Any]:
+    """The JSON schema of what `check_engine_params` accepts, from the tables above."""
+    positive: dict[str, Any] = {"type": ["integer", "null"], "minimum": 1}
+    properties: dict[str, Any] = {key: positive for key in INT_FLAGS}
+    # Never null: gpus_per_replica must equal tp_size × pp_size (absent: 1).
+    properties |= {key: {"type": "integer", "minimum": 1} for key in ("tp_size", "pp_size")}
+    properties["kv_cache_free_gpu_memory_fraction"] = {
+        "type": ["number", "null"],
+        "exclusiveMinimum": 0,
+        "maximum": 1,
+    }
+    properties |= {key: {"type": "boolean"} for key in BOOL_FLAGS}
+    properties["backend"] = {"enum": [*sorted(BACKENDS), None]}
+    properties |= {key: {} for key in YAML_KEYS}
+    properties["kv_cache_config"] = {"type": ["object", "null"]}
+    properties[PASS_THROUGH_KEY] = {
+        "type": ["object", "null"],
+        "description": "other LlmArgs options: none of the keys above, and "
+        f"{' and '.join(STATS_KEYS)} stay true",
+    }
+    return {"type": "object", "properties": properties, "additionalProperties": False}
+
+
+TRTLLM = TrtllmEngine()

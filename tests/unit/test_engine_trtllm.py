@@ -21,15 +21,17 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleet_core.engine_command import (
-    FLAG_KEYS,
-    YAML_KEYS,
-    check_engine_params,
+from fleet_core.engines.layout import (
     cuda_visible_devices,
-    extra_llm_api_options,
     model_path,
     replica_layout,
     replica_ports,
+)
+from fleet_core.engines.trtllm import (
+    FLAG_KEYS,
+    YAML_KEYS,
+    check_engine_params,
+    extra_llm_api_options,
     trtllm_serve_argv,
 )
 
