@@ -108,7 +108,10 @@ class ReplicaStatus(_Strict):
     ttft_p95_s: float | None = Field(default=None, ge=0)
     e2e_p50_s: float | None = Field(default=None, ge=0)
     e2e_p95_s: float | None = Field(default=None, ge=0)
+    # Requests the engine preempted (KV cache full: paused and resumed), since it started.
+    preemptions: int | None = Field(default=None, ge=0)
     version: str | None = Field(default=None, max_length=130)  # the model version it serves
+    engine: str | None = Field(default=None, max_length=16)  # trtllm | vllm | sglang
 
 
 class CachedVersion(_Strict):
@@ -183,6 +186,8 @@ class Assignment(BaseModel):
     model_uri: str | None = None  # the served model's reference (legacy: its weights' URI)
     model_checksum: str | None = None  # the version's digest (the probe's reference key)
     model: ModelRef | None = None  # the version to serve (kind "serve")
+    # The engine that serves it (fleet_core/engines: trtllm, vllm, sglang) and its options.
+    engine: str = "trtllm"
     engine_params: dict[str, Any] = Field(default_factory=dict)
     gpus_per_replica: int | None = None
     replicas: int = 0
