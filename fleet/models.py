@@ -70,16 +70,8 @@ from fleet.validation import (
 from fleet.validation import (
     exactly_one_of as exactly_one_of,
 )
-from fleet_core.engines.trtllm import (
-    BACKENDS,
-    BOOL_FLAGS,
-    FLOAT_FLAGS,
-    INT_FLAGS,
-    PASS_THROUGH_KEY,
-    STATS_KEYS,
-    YAML_KEYS,
-    check_engine_params,
-)
+from fleet_core.engines import ENGINES, EngineName
+from fleet_core.engines import spec as engine_spec
 
 # The agent's verdict and a GPU's health are the core's types (fleet_core: the fault policy and
 # the agent's reports); the server and GPU rows store them.
@@ -752,6 +744,11 @@ class DeploymentBase(SQLModel):
     name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
     model_uri: str = Field(min_length=1, max_length=1000)
     model_checksum: str = Field(min_length=1, max_length=200)
+    # The inference engine its replicas run (fleet_core/engines) and that engine's options,
+    # named after its own flags.
+    engine: str = Field(
+        default="trtllm", max_length=16, sa_column_kwargs={"server_default": "trtllm"}
+    )
     engine_params: dict[str, Any] = _json(dict)
     gpus_per_replica: Int = Field(default=1, ge=1, le=64)
     gpu_models: list[str] = _json(list)
@@ -767,27 +764,47 @@ class DeploymentBase(SQLModel):
 
 
 def deployment_rule_problems(
-    min_replicas: int, max_replicas: int, engine_params: dict[str, Any], gpus_per_replica: int
+    min_replicas: int,
+    max_replicas: int,
+    engine: str,
+    engine_params: dict[str, Any],
+    gpus_per_replica: int,
 ) -> list[str]:
     """The rules across a deployment's fields, which no schema states: the API answers them
-    with 400 (the request matched its schema), an inventory file lists them with its errors."""
+    with 400 (the request matched its schema), an inventory file lists them with its errors.
+    The engine checks its own params, as the agent will before it starts one."""
     problems = []
     if min_replicas > max_replicas:
         problems.append(f"min_replicas ({min_replicas}) exceeds max_replicas ({max_replicas})")
-    tp, pp = engine_params.get("tp_size", 1), engine_params.get("pp_size", 1)
-    if not (isinstance(tp, int) and isinstance(pp, int)) or tp < 1 or pp < 1:
-        problems.append("engine_params.tp_size and pp_size must be positive integers")
-    elif tp * pp != gpus_per_replica:
+    try:
+        spec = engine_spec(engine)
+        spec.check_params(engine_params)
+    except ValueError as exc:
+        problems.append(str(exc))
+        return problems
+    tp, pp = spec.parallelism(engine_params)
+    tp_key, pp_key = spec.parallel_keys
+    if tp * pp != gpus_per_replica:
         problems.append(
-            f"gpus_per_replica ({gpus_per_replica}) must equal tp_size × pp_size ({tp} × {pp})"
+            f"gpus_per_replica ({gpus_per_replica}) must equal {tp_key} × {pp_key} "
+            f"({tp} × {pp}) for engine {engine}"
         )
     return problems
 
 
-# engine_params: what the agent will run (fleet_core/engine_command.py turns them into the
-# trtllm-serve command line). The fleet refuses what the agent would refuse, with the agent's
-# own check, and bounds their size: every routing table and deployment listing carries them.
+# engine_params: what the agent will run (fleet_core/engines turns them into the engine's
+# command line). Checked here for what any engine needs (finite numbers, a bounded size: every
+# routing table and deployment listing carries them); against the deployment's engine by
+# deployment_rule_problems (a 400 naming the option), with the agent's own check.
 MAX_ENGINE_PARAMS_BYTES = 16 * 1024
+# Integer options of any engine: JSON has one number type, 2.0 is the integer 2 (JSON Schema
+# says so too), and the agent writes it into a flag, where only `2` will do.
+_INT_KEYS = frozenset(
+    key
+    for engine in ENGINES.values()
+    for key, prop in engine.params_schema()["properties"].items()
+    if "integer" in (prop.get("type") or ())
+)
 
 
 def _valid_engine_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -799,46 +816,29 @@ def _valid_engine_params(params: dict[str, Any] | None) -> dict[str, Any] | None
         raise ValueError("numbers must be finite (no NaN or infinity)") from None
     if len(text.encode()) > MAX_ENGINE_PARAMS_BYTES:
         raise ValueError(f"at most {MAX_ENGINE_PARAMS_BYTES} bytes of JSON")
-    backend = params.get("backend")
-    if not isinstance(backend, str | None):  # the agent's check looks it up in a set
-        raise ValueError(f"engine_params.backend: expected one of {sorted(BACKENDS)}")
-    # JSON has one number type: 2.0 is the integer 2 (JSON Schema says so too), and the agent
-    # writes it into a flag, where only `2` will do.
-    params = {
+    return {
         key: int(value)
-        if key in INT_FLAGS and isinstance(value, float) and value.is_integer()
+        if key in _INT_KEYS and isinstance(value, float) and value.is_integer()
         else value
         for key, value in params.items()
     }
-    check_engine_params(params)
-    return params
 
 
 def _engine_params_schema() -> dict[str, Any]:
-    """The JSON schema of what `check_engine_params` accepts, from the agent's own tables."""
-    positive: dict[str, Any] = {"type": ["integer", "null"], "minimum": 1}
-    properties: dict[str, Any] = {key: positive for key in INT_FLAGS}
-    # Never null: gpus_per_replica must equal tp_size × pp_size (absent: 1).
-    properties |= {key: {"type": "integer", "minimum": 1} for key in ("tp_size", "pp_size")}
-    properties |= {key: {} for key in FLOAT_FLAGS}
-    properties["kv_cache_free_gpu_memory_fraction"] = {
-        "type": ["number", "null"],
-        "exclusiveMinimum": 0,
-        "maximum": 1,
-    }
-    properties |= {key: {"type": "boolean"} for key in BOOL_FLAGS}
-    properties["backend"] = {"enum": [*sorted(BACKENDS), None]}
-    properties |= {key: {} for key in YAML_KEYS}
-    properties["kv_cache_config"] = {"type": ["object", "null"]}
-    properties[PASS_THROUGH_KEY] = {
-        "type": ["object", "null"],
-        "description": "other LlmArgs options: none of the keys above, and "
-        f"{' and '.join(STATS_KEYS)} stay true",
-    }
+    """The options of every engine (fleet_core/engines), each engine's own names; an option
+    two engines name alike but type differently takes either type here (the deployment's
+    engine decides, with a 400)."""
+    properties: dict[str, Any] = {}
+    for engine in ENGINES.values():
+        for key, prop in engine.params_schema()["properties"].items():
+            if key in properties and properties[key] != prop:
+                properties[key] = {}
+            else:
+                properties.setdefault(key, prop)
     return {
         "type": "object",
-        "description": f"trtllm-serve options (docs/engine.md); at most "
-        f"{MAX_ENGINE_PARAMS_BYTES} bytes of JSON",
+        "description": "the options of the deployment's engine, named after its flags "
+        f"(docs/engine.md, Engines); at most {MAX_ENGINE_PARAMS_BYTES} bytes of JSON",
         "properties": properties,
         "additionalProperties": False,
     }
@@ -898,12 +898,17 @@ class DeploymentCreate(DeploymentBase):
         default=None, min_length=1, max_length=200
     )
     model_version: str | None = Field(default=None, min_length=3, max_length=127)
+    engine: EngineName = "trtllm"
     engine_params: EngineParams = Field(default_factory=dict)
     gpu_models: GpuModelNames = Field(default_factory=list)
 
     def rule_problems(self) -> list[str]:
         return deployment_rule_problems(
-            self.min_replicas, self.max_replicas, self.engine_params, self.gpus_per_replica
+            self.min_replicas,
+            self.max_replicas,
+            self.engine,
+            self.engine_params,
+            self.gpus_per_replica,
         )
 
 
@@ -912,6 +917,7 @@ class DeploymentUpdate(_Update):
 
     model_uri: str | None = Field(default=None, min_length=1, max_length=1000)
     model_checksum: str | None = Field(default=None, min_length=1, max_length=200)
+    engine: EngineName | None = None
     engine_params: OptEngineParams = None
     gpus_per_replica: OptInt = Field(default=None, ge=1, le=64)
     gpu_models: GpuModelNames | None = None

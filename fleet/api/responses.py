@@ -209,8 +209,9 @@ class DeploymentRoutes(BaseModel):
     deployment: str
     models: list[str]  # the names requests may use for it
     model_uri: str
-    tp_size: int
-    max_batch_size: int | None
+    engine: str = "trtllm"  # fleet_core/engines: the router adds its priority field
+    tp_size: int  # one replica's tensor-parallel size, whatever the engine calls it
+    max_batch_size: int | None  # the most requests a replica runs at once, when set
     sla_p95_latency_ms: float
     sla_ttft_ms: float
     replicas: list[RoutableReplica]

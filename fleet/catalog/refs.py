@@ -15,6 +15,7 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from fleet.models import ArtifactFormat, Deployment, ModelArtifact, ModelVersion, Server, utcnow
+from fleet_core.engines import spec as engine_spec
 from fleet_core.weights import for_server, version_key
 from fleet_core.wire import ArtifactRef, ModelRef
 
@@ -59,8 +60,7 @@ def key_for_id(session: Session, version_id: int | None) -> str | None:
 
 def tp_size_of(deployment: Deployment) -> int:
     """The tensor-parallel size its engines run at (which engine files a server fetches)."""
-    tp = deployment.engine_params.get("tp_size", 1)
-    return tp if isinstance(tp, int) and tp >= 1 else 1
+    return engine_spec(deployment.engine).parallelism(deployment.engine_params)[0]
 
 
 def model_ref_for(

@@ -19,6 +19,8 @@ from fleet.cli.common import (
     show,
     typer_app,
 )
+from fleet_core.engines import DEFAULT_ENGINE, ENGINES
+from fleet_core.engines import spec as engine_spec
 
 deployments_app = typer_app("Deployments (served models).")
 DEPLOYMENT_COLUMNS = [
@@ -54,14 +56,26 @@ def deployments_show(
     show(api_client(url, token).get(f"/api/v1/deployments/{name}"), output)
 
 
-def _engine_params(pairs: list[str]) -> dict[str, Any]:
+def _engine_choice(values: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """`--engine vllm --engine max_num_seqs=64`: a bare word names the engine, KEY=VALUE is
+    one of its options (its own flag's name; docs/engine.md, Engines)."""
+    engine: str | None = None
     params: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CliError(f"--engine {pair!r}: expected KEY=VALUE")
-        params[key] = yaml.safe_load(value)  # 8 -> int, 0.9 -> float, pytorch -> str
-    return params
+    for value in values:
+        key, sep, raw = value.partition("=")
+        if not sep:
+            if engine is not None and engine != value:
+                raise CliError(f"--engine {value!r}: the engine is already {engine!r}")
+            if value not in ENGINES:
+                raise CliError(
+                    f"--engine {value!r}: expected an engine ({', '.join(ENGINES)}) or KEY=VALUE"
+                )
+            engine = value
+        elif not key:
+            raise CliError(f"--engine {value!r}: expected KEY=VALUE")
+        else:
+            params[key] = yaml.safe_load(raw)  # 8 -> int, 0.9 -> float, pytorch -> str
+    return engine, params
 
 
 @deployments_app.command("create")
@@ -77,7 +91,12 @@ def deployments_create(
     min_replicas: Annotated[int, typer.Option("--min")] = 0,
     max_replicas: Annotated[int, typer.Option("--max")] = 1,
     disruption_budget: Annotated[int, typer.Option("--disruption-budget")] = 1,
-    engine: Annotated[list[str] | None, typer.Option("--engine", help="KEY=VALUE; repeat.")] = None,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--engine", help="trtllm (default), vllm or sglang; KEY=VALUE: its options. Repeat."
+        ),
+    ] = None,
     model_version: Annotated[
         str | None,
         typer.Option("--model-version", help="<model>@<version> (fleetctl models list)."),
@@ -103,9 +122,11 @@ def deployments_create(
         )
     if model_version is None and (model_uri is None or checksum is None):
         raise CliError("--model-uri and --checksum go together")
-    params = _engine_params(engine or [])
-    params.setdefault("tp_size", gpus_per_replica)
-    params.setdefault("pp_size", 1)
+    name_of_engine, params = _engine_choice(engine or [])
+    spec = engine_spec(name_of_engine or DEFAULT_ENGINE)
+    tp_key, pp_key = spec.parallel_keys
+    params.setdefault(tp_key, gpus_per_replica)
+    params.setdefault(pp_key, 1)
     model = (
         {"model_version": model_version}
         if model_version is not None
@@ -114,6 +135,7 @@ def deployments_create(
     body = {
         "name": name,
         **model,
+        "engine": spec.name,
         "engine_params": params,
         "gpus_per_replica": gpus_per_replica,
         "gpu_models": gpu_model or [],

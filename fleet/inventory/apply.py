@@ -52,6 +52,7 @@ from fleet.models import (
 from fleet.power.budget import Feed, ServerDraw, rack_power, side_watts
 from fleet.power.racks import to_feed
 from fleet.validation import messages_under
+from fleet_core.engines import EngineName
 
 Kind = Literal["gpu_model", "model_version", "site", "rack", "feed", "server", "deployment"]
 KINDS: tuple[Kind, ...] = (
@@ -190,6 +191,16 @@ def _deployment_spec(dep: DeploymentIn, where: str, errors: list[str]) -> Deploy
             "fleet) or model: {uri, checksum} (weights delivered outside Fleet), one of the two"
         )
         return None
+    if isinstance(dep.engine, dict):
+        if dep.engine_params is not None:
+            errors.append(
+                f"{where}: engine is a name (trtllm, vllm, sglang) when engine_params is given"
+            )
+            return None
+        engine: EngineName = "trtllm"
+        params = dict(dep.engine)
+    else:
+        engine, params = dep.engine, dict(dep.engine_params or {})
     try:
         spec = DeploymentCreate(
             name=dep.name,
@@ -197,7 +208,8 @@ def _deployment_spec(dep: DeploymentIn, where: str, errors: list[str]) -> Deploy
             model_uri=dep.model.uri if dep.model else None,
             model_checksum=dep.model.checksum if dep.model else None,
             cached_spares=dep.cached_spares,
-            engine_params=dict(dep.engine),
+            engine=engine,
+            engine_params=params,
             gpus_per_replica=dep.gpus_per_replica,
             gpu_models=list(dep.gpu_models),
             min_replicas=dep.replicas.min,

@@ -156,7 +156,8 @@ def _deployment(d: Deployment, keys: dict[int, str], external: set[int]) -> dict
     return {
         "name": d.name,
         **model,
-        "engine": dict(d.engine_params),
+        "engine": d.engine,
+        "engine_params": dict(d.engine_params),
         "gpus_per_replica": d.gpus_per_replica,
         "gpu_models": list(d.gpu_models),
         "replicas": {"min": d.min_replicas, "max": d.max_replicas},

@@ -46,6 +46,8 @@ from fleet.models import (
     RackStatus,
 )
 from fleet.validation import SSH_FINGERPRINT_PATTERN, error_messages
+from fleet_core.engines import EngineName
+from fleet_core.engines import spec as engine_spec
 
 
 def _port(value: int) -> int:
@@ -225,8 +227,11 @@ class DeploymentIn(_Strict):
     # before versions, `model: {uri, checksum}`: one of the two.
     model_version: Annotated[str, StringConstraints(min_length=3, max_length=127)] | None = None
     model: ModelRefIn | None = None
-    # Checked as the agent checks them (fleet_core/engine_command.py) and bounded in size.
-    engine: EngineParams = Field(default_factory=dict)
+    # The engine (fleet_core/engines: trtllm, vllm, sglang) and its options, named after its
+    # flags, checked as the agent checks them. A mapping under `engine` (files from before
+    # engines) is trtllm-serve's options.
+    engine: EngineName | EngineParams = "trtllm"
+    engine_params: EngineParams | None = None
     gpus_per_replica: Int = Field(default=1, ge=1, le=64)
     gpu_models: GpuModelNames = Field(default_factory=list)
     replicas: ReplicasIn = Field(default_factory=ReplicasIn)
@@ -234,6 +239,20 @@ class DeploymentIn(_Strict):
     disruption_budget: Int = Field(default=1, ge=1, le=MAX_REPLICAS)
     # Warm spares per allowed GPU model kept holding its version (pre-staged).
     cached_spares: Int = Field(default=0, ge=0, le=MAX_REPLICAS)
+
+    @model_validator(mode="after")
+    def _engine_has_its_options(self) -> DeploymentIn:
+        """The engine's own check of its options, as the agent will make it: a file is refused
+        when read, naming the option, not half-imported."""
+        if isinstance(self.engine, dict):
+            if self.engine_params is not None:
+                raise ValueError(
+                    "engine is a name (trtllm, vllm, sglang) when engine_params is given"
+                )
+            engine_spec("trtllm").check_params(self.engine)
+        else:
+            engine_spec(self.engine).check_params(self.engine_params or {})
+        return self
 
 
 class InventoryFile(_Strict):

@@ -170,6 +170,7 @@ def assignment_for(session: Session, server: Server) -> Assignment:
         model_uri=uri,
         model_checksum=checksum,
         model=model,
+        engine=deployment.engine,
         engine_params=dict(deployment.engine_params),
         gpus_per_replica=deployment.gpus_per_replica,
         replicas=server.gpu_count // deployment.gpus_per_replica,

@@ -20,6 +20,7 @@ from fleet.autoscaler.signals import RouterLoad
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Int, ModelVersion, RouterReport, Server, utcnow
 from fleet.settings import Settings
+from fleet_core.engines import spec as engine_spec
 from fleet_core.weights import version_key
 
 
@@ -49,6 +50,7 @@ def routing_table(
     out = []
     for deployment in session.exec(select(Deployment).order_by(col(Deployment.name))):
         params = deployment.engine_params or {}
+        engine = engine_spec(deployment.engine)
         stable = keys.get(deployment.model_version_id)
         canary = keys.get(deployment.canary_version_id)
         replicas = [
@@ -78,8 +80,11 @@ def routing_table(
                 "deployment": deployment.name,
                 "models": sorted({deployment.name, served_name(deployment.model_uri)}),
                 "model_uri": deployment.model_uri,
-                "tp_size": int(params.get("tp_size", 1) or 1),
-                "max_batch_size": params.get("max_batch_size"),
+                # The engine (the router adds its priority field to requests) and one
+                # replica's shape, in engine-neutral terms.
+                "engine": deployment.engine,
+                "tp_size": engine.parallelism(params)[0],
+                "max_batch_size": engine.max_batch_size(params),
                 "sla_p95_latency_ms": deployment.sla_p95_latency_ms,
                 "sla_ttft_ms": deployment.sla_ttft_ms,
                 "replicas": replicas,

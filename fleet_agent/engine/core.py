@@ -33,11 +33,34 @@ What it models, following trtllm-serve's defaults:
   exactly, as benchmark clients ask. A stop string ends the output at the token that completes
   it ("stop"; that token's text is cut before the stop string). Without max_tokens a request may
   write up to max_seq_len - prompt tokens and reserves KV for all of them, as in TensorRT-LLM.
+
+What it models for the other engines (CoreConfig; the defaults above are trtllm-serve's):
+
+- `policy="priority"`: the waiting request with the lowest (priority, arrival) is admitted next
+  (vLLM's `--scheduling-policy priority`, SGLang's `--enable-priority-scheduling`; the stand-in's
+  SGLang dialect negates SGLang's higher-first values). "fcfs" (default): arrival order.
+- `kv_policy="preempt"` (vLLM V1's and SGLang's way; "reserve" is GUARANTEED_NO_EVICT above): a
+  waiting request is admitted when blocks for its prompt (and its first output token) are free
+  (they are held from then on);
+  a running request takes a new block when its next token crosses a block boundary, and when
+  none is free a running request is preempted — the newest under "fcfs", the one with the
+  largest (priority, arrival) under "priority" (vLLM V1's Scheduler.schedule): its blocks are
+  freed and it goes back to the head of the waiting queue. Resumed, it recomputes its prompt
+  and the tokens it already wrote (vLLM V1 preempts by recompute), then goes on writing. No
+  request is admitted in an iteration that preempted (as in vLLM V1). `num_preemptions` counts
+  them all. Blocks are held for the whole prompt at admission (vLLM allocates per chunk).
+- `priority_preemption_threshold` (SGLang's `--priority-scheduling-preemption-threshold`): a
+  waiting request that cannot be admitted (no batch slot or blocks) preempts the running request
+  with the largest (priority, arrival) when that one's priority is worse by more than the
+  threshold. None (default): never.
+- `kv_capacity_tokens` caps the KV pool (SGLang's `--max-total-tokens`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import random
 import time
 from collections import OrderedDict, deque
@@ -107,6 +130,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None  # per-request seed, mixed with the engine's
+    priority: int = 0  # lower runs first, under CoreConfig.policy "priority"
 
 
 @dataclass(frozen=True)
@@ -140,6 +164,7 @@ class IterationResult:
     stats: dict[str, Any]  # one `/metrics` entry, TensorRT-LLM's field names
     power_w: float = 0.0  # per GPU of the group, during the iteration (power model)
     capped: bool = False  # the power limit slowed this iteration down
+    preempted: tuple[str, ...] = ()  # requests preempted in this iteration (kv_policy "preempt")
 
 
 @dataclass
@@ -160,14 +185,26 @@ class _Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     started: bool = False  # the prefix-reuse lookup has happened
+    seq: int = 0  # arrival order: the tie-break after priority
+    context_tokens: int = 0  # tokens to prefill: the prompt, plus what it wrote when preempted
+    held_blocks: int = 0  # blocks it holds (kv_policy "preempt")
+    preemptions: int = 0
 
     @property
     def in_generation(self) -> bool:
-        return self.computed >= self.prompt_tokens
+        return self.computed >= self.context_tokens
 
     @property
     def cached_tokens(self) -> int:
-        return self.computed + self.generated
+        # The output tokens recomputed after a preemption are part of `computed`.
+        return self.computed + self.generated - (self.context_tokens - self.prompt_tokens)
+
+    def key(self) -> tuple[int, int]:
+        return (self.spec.priority, self.seq)
+
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+KvPolicy = Literal["reserve", "preempt"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +214,51 @@ class CoreConfig:
     enable_chunked_prefill: bool = False  # trtllm-serve's default
     enable_block_reuse: bool = True  # TensorRT-LLM's default
     seed: int = 0
+    policy: SchedulingPolicy = "fcfs"
+    kv_policy: KvPolicy = "reserve"  # GUARANTEED_NO_EVICT, trtllm-serve's
+    priority_preemption_threshold: int | None = None  # SGLang's; None: waiting never preempts
+    kv_capacity_tokens: int | None = None  # cap on the KV pool (default: the cost model's)
+
+
+class _WaitingQueue:
+    """Waiting requests: arrival order ("fcfs", a preempted request goes back to the head) or
+    a heap on (priority, arrival) ("priority", as vLLM's PriorityRequestQueue)."""
+
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.policy = policy
+        self._fifo: deque[_Request] = deque()
+        self._heap: list[tuple[tuple[int, int], _Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def append(self, r: _Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (r.key(), r))
+        else:
+            self._fifo.append(r)
+
+    def prepend(self, r: _Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (r.key(), r))
+        else:
+            self._fifo.appendleft(r)
+
+    def peek(self) -> _Request:
+        return self._heap[0][1] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> _Request:
+        return heapq.heappop(self._heap)[1] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request_id: str) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[1].spec.request_id != request_id]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo = deque(r for r in self._fifo if r.spec.request_id != request_id)
 
 
 @dataclass
@@ -205,6 +287,9 @@ class EngineCore:
         self.config = config
         self.shape = config.shape
         self.max_blocks = cost_model.kv_capacity_blocks(self.shape)
+        if config.kv_capacity_tokens is not None:
+            cap = config.kv_capacity_tokens // self.shape.tokens_per_block
+            self.max_blocks = min(self.max_blocks, cap)
         if self.max_blocks < 1:
             raise ValueError(
                 f"{self.shape.model.name} at {self.shape.precision} does not fit "
@@ -216,11 +301,13 @@ class EngineCore:
         )
         self._clock = clock
         self._sim_time = 0.0
-        self._waiting: deque[_Request] = deque()
+        self._waiting = _WaitingQueue(config.policy)
         self._active: dict[str, _Request] = {}  # admitted, in admission order
         self._ids: set[str] = set()  # waiting or active
         self._iteration = 0
         self._kv = _KvCounters()
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0  # cumulative (kv_policy "preempt", priority preemption)
         self._gpu_mem = cost_model.gpu_memory_used_bytes(self.shape)
         # The per-GPU power limit the GPUs enforce (None: their default, the TDP); the stand-in
         # sets it from the simulated driver's state.
@@ -241,11 +328,20 @@ class EngineCore:
 
     @property
     def used_blocks(self) -> int:
+        """Blocks in use: filled ones ("reserve"), held ones ("preempt")."""
+        if self.config.kv_policy == "preempt":
+            return sum(r.held_blocks for r in self._active.values())
         return sum(self._blocks(r.cached_tokens) for r in self._active.values())
 
     @property
     def reserved_blocks(self) -> int:
         return sum(r.reserved_blocks for r in self._active.values())
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt blocks found in the prefix cache ÷ blocks looked up, since the start."""
+        lookups = self._kv.reused + self._kv.missed
+        return self._kv.reused / lookups if lookups else 0.0
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._active)
@@ -299,6 +395,8 @@ class EngineCore:
                 block_hashes=self._prompt_block_hashes(spec.prompt, prompt_tokens),
                 rng=rng,
                 arrival_time=self.now(),
+                seq=next(self._arrivals),
+                context_tokens=prompt_tokens,
             )
         )
 
@@ -308,7 +406,7 @@ class EngineCore:
             return False
         self._ids.discard(request_id)
         if self._active.pop(request_id, None) is None:
-            self._waiting = deque(r for r in self._waiting if r.spec.request_id != request_id)
+            self._waiting.remove(request_id)
         return True
 
     def _prompt_block_hashes(self, prompt: str, prompt_tokens: int) -> list[bytes]:
@@ -329,7 +427,13 @@ class EngineCore:
     def step(self) -> IterationResult:
         """Admit, schedule and run one iteration. Call only while has_work()."""
         start = self.now()
-        new_active = self._admit()
+        preempted: list[str] = []
+        if self.config.kv_policy == "preempt":
+            self._grow_running(preempted)
+            # vLLM V1 admits nothing in a step that preempted.
+            new_active = 0 if preempted else self._admit(preempted)
+        else:
+            new_active = self._admit(preempted)
         bs = self.shape.max_batch_size
         budget = self.shape.max_num_tokens
 
@@ -393,6 +497,7 @@ class EngineCore:
             context_requests=len(context),
             gen_requests=len(decoding),
             ctx_tokens=ctx_tokens,
+            paused=len(preempted),
         )
         return IterationResult(
             iteration=self._iteration,
@@ -404,24 +509,85 @@ class EngineCore:
             stats=stats,
             power_w=power_w,
             capped=capped,
+            preempted=tuple(preempted),
         )
 
     def _allocate(self, blocks: int) -> None:
         self._kv.alloc_total += blocks
         self._kv.alloc_new += blocks
 
-    def _admit(self) -> int:
-        reserved = self.reserved_blocks
+    def _admit(self, preempted: list[str]) -> int:
+        preempt = self.config.kv_policy == "preempt"
+        reserved = self.used_blocks if preempt else self.reserved_blocks
         admitted = 0
-        while self._waiting and len(self._active) < self.shape.max_batch_size:
-            head = self._waiting[0]
-            if reserved + head.reserved_blocks > self.max_blocks:
-                break  # first come first served: nobody overtakes the head of the queue
-            self._waiting.popleft()
+        for _ in range(len(self._waiting) + len(self._active) + 1):
+            if not self._waiting:
+                break
+            head = self._waiting.peek()
+            # Its prompt and the slot of its first output token (vLLM allocates that one at the
+            # next step; here it is held from admission, so a prompt never strands a token).
+            need = self._blocks(head.context_tokens + 1) if preempt else head.reserved_blocks
+            if len(self._active) >= self.shape.max_batch_size or reserved + need > self.max_blocks:
+                victim = self._priority_victim(head)
+                if victim is None:
+                    break  # nobody overtakes the head of the queue
+                reserved -= victim.held_blocks if preempt else victim.reserved_blocks
+                self._preempt(victim, preempted)
+                continue
+            self._waiting.pop()
             self._active[head.spec.request_id] = head
-            reserved += head.reserved_blocks
+            head.held_blocks = need if preempt else 0
+            reserved += need
             admitted += 1
         return admitted
+
+    def _priority_victim(self, head: _Request) -> _Request | None:
+        """The running request a waiting one may preempt (SGLang's priority preemption)."""
+        threshold = self.config.priority_preemption_threshold
+        if threshold is None or self.config.policy != "priority" or not self._active:
+            return None
+        victim = max(self._active.values(), key=_Request.key)
+        return victim if victim.spec.priority - head.spec.priority > threshold else None
+
+    def _grow_running(self, preempted: list[str]) -> None:
+        """kv_policy "preempt": every running request in generation takes the block its next
+        token needs; when none is free, preempt (vLLM V1) until it fits or it is itself the
+        victim."""
+        for r in list(self._active.values()):
+            if r.spec.request_id not in self._active or not r.in_generation:
+                continue
+            self._hold_next_token(r, preempted)
+
+    def _hold_next_token(self, r: _Request, preempted: list[str]) -> None:
+        need = self._blocks(r.cached_tokens + 1) - r.held_blocks
+        for _ in range(len(self._active) + 1):
+            if need <= 0:
+                return
+            if self.max_blocks - self.used_blocks >= need:
+                r.held_blocks += need
+                return
+            victim = self._newest_victim()
+            self._preempt(victim, preempted)
+            if victim is r:
+                return
+
+    def _newest_victim(self) -> _Request:
+        if self.config.policy == "priority":
+            return max(self._active.values(), key=_Request.key)
+        return next(reversed(self._active.values()))
+
+    def _preempt(self, r: _Request, preempted: list[str]) -> None:
+        """Free its blocks and send it back to the head of the waiting queue; it recomputes
+        its prompt and what it wrote when admitted again."""
+        del self._active[r.spec.request_id]
+        r.held_blocks = 0
+        r.context_tokens = r.prompt_tokens + r.generated
+        r.computed = 0
+        r.started = False
+        r.preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.prepend(r)
+        preempted.append(r.spec.request_id)
 
     def _lookup_prefix(self, r: _Request) -> None:
         r.started = True
@@ -439,7 +605,9 @@ class EngineCore:
         self._kv.reused += hit
         self._kv.missed += len(r.block_hashes) - hit
         self._kv.alloc_total += hit
-        r.computed = r.cached_prompt_tokens = hit * self.shape.tokens_per_block
+        r.computed = hit * self.shape.tokens_per_block
+        if not r.preemptions:
+            r.cached_prompt_tokens = r.computed
 
     def _remember_blocks(self, r: _Request) -> None:
         cache = self._kv.prompt_blocks
@@ -451,7 +619,7 @@ class EngineCore:
             cache.popitem(last=False)
 
     def _context_chunk(self, r: _Request, budget: int) -> int:
-        remaining = r.prompt_tokens - r.computed
+        remaining = r.context_tokens - r.computed
         if remaining <= budget:
             return remaining
         if not self.config.enable_chunked_prefill:
@@ -512,6 +680,7 @@ class EngineCore:
         context_requests: int,
         gen_requests: int,
         ctx_tokens: int,
+        paused: int,
     ) -> dict[str, Any]:
         used = self.used_blocks
         kv = self._kv
@@ -548,7 +717,7 @@ class EngineCore:
                 "numScheduledRequests": scheduled,
                 "numContextRequests": context_requests,
                 "numGenRequests": gen_requests,
-                "numPausedRequests": 0,  # GUARANTEED_NO_EVICT never pauses
+                "numPausedRequests": paused,  # 0 under GUARANTEED_NO_EVICT
                 "numCtxTokens": ctx_tokens,
                 "microBatchId": 0,
                 "avgNumDecodedTokensPerIter": 1.0 if gen_requests else 0.0,

@@ -110,6 +110,7 @@ def test_register_records_the_agent_and_its_gpus(agent: httpx.Client, db: Engine
         "deployment": None,
         "model_uri": None,
         "model_checksum": None,
+        "engine": "trtllm",
         "engine_params": {},
         "gpus_per_replica": None,
         "replicas": 0,

@@ -413,8 +413,29 @@ def test_deployments_create_with_engine_params(fleetctl: Fleetctl) -> None:
 
     base = ["deployments", "create", "d2", "--model-uri", "s3://x", "--checksum", "c"]
     base += ["--sla-p95-ms", "1", "--sla-ttft-ms", "1"]
-    one_line_error(fleetctl(*base, "--engine", "novalue"), "--engine 'novalue': expected KEY=VALUE")
+    one_line_error(
+        fleetctl(*base, "--engine", "novalue"), "--engine 'novalue': expected an engine"
+    )
     one_line_error(fleetctl(*base, "--engine", "tp_size=4"), "tp_size × pp_size")
+    # An option the engine does not have is refused, named, with the engine.
+    one_line_error(
+        fleetctl(*base, "--engine", "vllm", "--engine", "max_batch_size=8"),
+        "engine_params max_batch_size: vllm serve has no such option",
+    )
+    one_line_error(
+        fleetctl(*base, "--engine", "vllm", "--engine", "sglang"), "the engine is already 'vllm'"
+    )
+    vllm = fleetctl.json(
+        *("deployments", "create", "qwen-vllm", "--model-uri", "s3://x/qwen", "--checksum", "c"),
+        *("--sla-p95-ms", "3000", "--sla-ttft-ms", "400", "--gpus-per-replica", "2"),
+        *("--engine", "vllm", "--engine", "max_num_seqs=64"),
+    )
+    assert vllm["engine"] == "vllm"
+    assert vllm["engine_params"] == {
+        "max_num_seqs": 64,
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 1,
+    }
     one_line_error(fleetctl(*base, "--min", "3", "--max", "1"), "min_replicas (3) exceeds")
     one_line_error(fleetctl(*base, "--gpu-model", "TPUv5"), "unknown GPU model(s) TPUv5")
     one_line_error(

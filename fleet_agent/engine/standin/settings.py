@@ -1,5 +1,7 @@
 """The stand-in's command line (trtllm-serve's `serve` flags), its extra-options YAML and its
-FLEET_STANDIN_* environment, turned into Settings: what to serve, on which simulated engine."""
+FLEET_STANDIN_* environment, turned into Settings: what to serve, on which simulated engine.
+The other dialects' command lines (vllm.py, sglang.py) end in the same EngineArgs →
+settings_for()."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from fleet_agent.engine.core import CoreConfig
+from fleet_agent.engine.core import CoreConfig, KvPolicy, SchedulingPolicy
+from fleet_agent.engine.standin.dialect import TRTLLM, Dialect, version_line
 from fleet_agent.engine.standin.weights import Weights
 from fleet_agent.telemetry import sim_gpu_state
 from fleet_core import cost_model
@@ -27,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fleet_agent.engine.standin",
         description="Stand-in for trtllm-serve (no GPU, simulated timing).",
         allow_abbrev=False,  # click, which trtllm-serve uses, takes no abbreviations
+    )
+    p.add_argument(
+        "--version", action="version", version=version_line("trtllm-serve", TRTLLM.version)
     )
     p.add_argument("model", help="model name | HF checkpoint path | engine path")
     p.add_argument("--host", default="localhost")  # used
@@ -94,6 +100,34 @@ class Settings:
     # the read rate cap (MB/s; None: as fast as the disk goes).
     weights: Weights | None = None
     read_mb_s: float | None = None
+    dialect: Dialect = TRTLLM
+    served_models: tuple[str, ...] = ()  # every name it answers to (default: served_model)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What a dialect's command line says about the engine, in EngineCore's terms."""
+
+    model: str  # the model argument as given
+    served_name: str  # the first name it serves under
+    host: str
+    port: int
+    log_level: str
+    max_batch_size: int
+    max_num_tokens: int
+    chunked_prefill: bool
+    tp_size: int = 1
+    pp_size: int = 1
+    max_seq_len: int | None = None
+    kv_fraction: float = 0.9
+    block_reuse: bool = True
+    tokens_per_block: int = cost_model.TOKENS_PER_BLOCK
+    seed: int | None = None  # the command line's; None: FLEET_STANDIN_SEED
+    policy: SchedulingPolicy = "fcfs"
+    kv_policy: KvPolicy = "reserve"
+    priority_preemption_threshold: int | None = None
+    kv_capacity_tokens: int | None = None
+    served_names: tuple[str, ...] = ()
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float, minimum: float) -> float:
@@ -159,11 +193,36 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Settings
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"extra_llm_api_options: {exc}") from None
 
+    return settings_for(
+        EngineArgs(
+            model=args.model,
+            served_name=served_model_name(args.model),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            tp_size=args.tp_size,
+            pp_size=args.pp_size,
+            max_batch_size=max_batch_size,
+            max_num_tokens=max_num_tokens,
+            max_seq_len=max_seq_len,
+            kv_fraction=fraction,
+            chunked_prefill=chunked,
+            block_reuse=block_reuse,
+            tokens_per_block=tokens_per_block,
+        ),
+        env,
+        TRTLLM,
+    )
+
+
+def settings_for(engine: EngineArgs, env: Mapping[str, str], dialect: Dialect) -> Settings:
+    """A dialect's EngineArgs + FLEET_STANDIN_* → what to serve. Raises ConfigError."""
+
     try:
         gpu = cost_model.gpu_spec(env.get("FLEET_STANDIN_GPU") or "H100")
         model_env = env.get("FLEET_STANDIN_MODEL")
         model = (
-            cost_model.model_spec(model_env) if model_env else cost_model.guess_model(args.model)
+            cost_model.model_spec(model_env) if model_env else cost_model.guess_model(engine.model)
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -173,28 +232,29 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Settings
 
     # A real engine needs tp × pp GPUs; the supervisor hands them over in CUDA_VISIBLE_DEVICES.
     visible = env.get("CUDA_VISIBLE_DEVICES")
-    gpu_indexes = tuple(range(args.tp_size * args.pp_size))
+    gpu_indexes = tuple(range(engine.tp_size * engine.pp_size))
     if visible is not None:
         listed = [d.strip() for d in visible.split(",") if d.strip()]
         if listed and all(d.isdigit() for d in listed):
-            gpu_indexes = tuple(int(d) for d in listed[: args.tp_size * args.pp_size])
+            gpu_indexes = tuple(int(d) for d in listed[: engine.tp_size * engine.pp_size])
         count = len([d for d in visible.split(",") if d.strip()])
-        if count < args.tp_size * args.pp_size:
+        if count < engine.tp_size * engine.pp_size:
             raise ConfigError(
-                f"tp_size {args.tp_size} × pp_size {args.pp_size} needs "
-                f"{args.tp_size * args.pp_size} GPUs; CUDA_VISIBLE_DEVICES={visible!r} has {count}"
+                f"tp_size {engine.tp_size} × pp_size {engine.pp_size} needs "
+                f"{engine.tp_size * engine.pp_size} GPUs; "
+                f"CUDA_VISIBLE_DEVICES={visible!r} has {count}"
             )
     try:
         shape = cost_model.EngineShape(
             gpu=gpu,
             model=model,
             precision="fp8" if precision == "fp8" else "bf16",
-            tp_size=args.tp_size,
-            pp_size=args.pp_size,
-            max_batch_size=max_batch_size,
-            max_num_tokens=max_num_tokens,
-            kv_cache_free_gpu_memory_fraction=fraction,
-            tokens_per_block=tokens_per_block,
+            tp_size=engine.tp_size,
+            pp_size=engine.pp_size,
+            max_batch_size=engine.max_batch_size,
+            max_num_tokens=engine.max_num_tokens,
+            kv_cache_free_gpu_memory_fraction=engine.kv_fraction,
+            tokens_per_block=engine.tokens_per_block,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -205,20 +265,26 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Settings
         )
     seed = int(_env_float(env, "FLEET_STANDIN_SEED", 0, -(2**62)))
     return Settings(
-        served_model=served_model_name(args.model),
-        host=args.host,
-        port=args.port,
+        served_model=engine.served_name,
+        host=engine.host,
+        port=engine.port,
         core=CoreConfig(
             shape=shape,
-            max_seq_len=max_seq_len,
-            enable_chunked_prefill=chunked,
-            enable_block_reuse=block_reuse,
-            seed=seed,
+            max_seq_len=engine.max_seq_len,
+            enable_chunked_prefill=engine.chunked_prefill,
+            enable_block_reuse=engine.block_reuse,
+            seed=seed if engine.seed is None else engine.seed,
+            policy=engine.policy,
+            kv_policy=engine.kv_policy,
+            priority_preemption_threshold=engine.priority_preemption_threshold,
+            kv_capacity_tokens=engine.kv_capacity_tokens,
         ),
         load_s=_env_float(env, "FLEET_STANDIN_LOAD_S", cost_model.load_seconds(shape), 0.0),
         speedup=_env_float(env, "FLEET_STANDIN_SPEEDUP", 1.0, 1e-6),
         drain_s=_env_float(env, "FLEET_STANDIN_DRAIN_S", 30.0, 0.0),
-        log_level=args.log_level,
+        log_level=engine.log_level,
         gpu_state_dir=Path(state_dir) if (state_dir := env.get(sim_gpu_state.ENV)) else None,
         gpu_indexes=gpu_indexes,
+        dialect=dialect,
+        served_models=engine.served_names or (engine.served_name,),
     )
