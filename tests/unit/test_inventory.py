@@ -1134,7 +1134,8 @@ REJECTIONS: dict[str, tuple[Callable[[Doc], str | None], list[str]]] = {
     "tp-pp-mismatch": (
         _tp_pp_mismatch,
         [
-            "deployments[0]: gpus_per_replica (2) must equal tp_size × pp_size (1 × 1) for engine trtllm"
+            "deployments[0]: gpus_per_replica (2) must equal tp_size × pp_size (1 × 1) "
+            "for engine trtllm"
         ],
     ),
     "standby-over-idle": (
