@@ -97,6 +97,9 @@ class ReplicaStatus(_Strict):
     port: int | None = Field(default=None, ge=1, le=65535)
     url: str | None = Field(default=None, max_length=255, pattern=r"^https?://\S+$")
     state: str = Field(max_length=32)
+    # The engine's process (its watchdog's, fleet_agent/engine/leash.py): the same pid after an
+    # agent restart says the engine was adopted, not started again.
+    pid: int | None = Field(default=None, ge=1)
     restarts: int = Field(default=0, ge=0)
     load_seconds: float | None = Field(default=None, ge=0)
     queued: int | None = Field(default=None, ge=0)

@@ -99,7 +99,9 @@ def update_stats(s: ReplicaStats, at: float, sample: EngineSample | None, window
     tokens_before = base.counters.get("generation_tokens") if base is not None else None
     if tokens_before is not None and "generation_tokens" in kept.counters and at > base_at:
         counter_rate = (kept.counters["generation_tokens"] - tokens_before) / (at - base_at)
-    s.tokens_per_s = counter_rate if counter_rate is not None else iter_rate
+    # The engine's token counter where it has one (None until two scrapes); trtllm without it
+    # (no /prometheus/metrics, or idle since start) counts iteration stats instead.
+    s.tokens_per_s = counter_rate if "generation_tokens" in kept.counters else iter_rate
 
     s.cache_hit_rate = _window_hit_rate(kept, base, sample, s.cache_hit_rate)
     for family, quantiles in _QUANTILES:

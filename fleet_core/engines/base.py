@@ -103,14 +103,25 @@ class EngineSpec(ABC):
             )
         return text
 
-    def priority_fields(self, priority: Priority) -> dict[str, Any]:
+    def priority_fields(
+        self, priority: Priority, params: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Fields to add to a generation request so that the engine schedules it by the
-        router's class ({}: the engine has no such field)."""
+        router's class ({}: the engine has no such field, or the deployment's `params`, when
+        given, turned its priority scheduling off)."""
         return {}
 
     @abstractmethod
     def params_schema(self) -> dict[str, Any]:
         """The JSON schema of this engine's engine_params (the API documents it)."""
+
+
+def metadata_version_argv(interpreter: Sequence[str], distribution: str) -> list[str]:
+    """A command that prints `distribution`'s installed version through `interpreter`'s
+    importlib.metadata: it imports nothing of the engine (no CUDA), for engines whose server
+    has no --version of its own."""
+    script = f"import importlib.metadata as m; print({distribution!r}, m.version({distribution!r}))"
+    return [*interpreter, "-c", script]
 
 
 _VERSION_WORD = re.compile(r"\b\d+\.\d+(?:\.\d+)?(?:[.+-]?[A-Za-z0-9.+-]*)?")

@@ -1,12 +1,12 @@
-"""The OpenAI request bodies the stand-in accepts (as strict as trtllm-serve's) and the OpenAI
-error shape it answers with."""
+"""The OpenAI request bodies the stand-in accepts: as strict as trtllm-serve's (unknown fields
+refused), or, for the vLLM and SGLang dialects, ignoring unknown fields as those servers do and
+taking their `priority` field. The error bodies are each dialect's (dialect.py)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from starlette.responses import JSONResponse
 
 
 class _Strict(BaseModel):
@@ -126,17 +126,15 @@ class ChatBody(SamplingBody):
         return rendered + "<|assistant|>\n"
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
-    body = {
-        "error": {
-            "message": message,
-            "type": kind.get(status, "InternalServerError"),
-            "param": param,
-            "code": status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
+class PriorityCompletionBody(CompletionBody):
+    # vLLM's and SGLang's request models log and drop unknown fields instead of refusing them.
+    model_config = ConfigDict(extra="ignore")
+    priority: int | None = None  # lower first in vLLM; SGLang: see dialect.PriorityMode
+
+
+class PriorityChatBody(ChatBody):
+    model_config = ConfigDict(extra="ignore")
+    priority: int | None = None
 
 
 def validation_message(exc: ValidationError) -> tuple[str, str | None]:

@@ -96,7 +96,9 @@ class PromMetrics:
         )
         self.scheduled = gauge("num_scheduled_requests", "Number of scheduled requests")
         self.ctx_tokens = gauge("total_context_tokens", "Total number of context tokens")
-        # The stand-in's own (not trtllm-serve's): what its simulated GPUs draw, per GPU.
+        # The stand-in's own (not trtllm-serve's): what its simulated GPUs draw, per GPU, in a
+        # registry of their own that every dialect's metrics page ends with.
+        r = self.power_registry = CollectorRegistry()
         self.gpu_power = Gauge(
             "fleet_standin_gpu_power_watts",
             "Per-GPU power over the last report period (phase-aware power model)",

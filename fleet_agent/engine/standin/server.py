@@ -1,6 +1,7 @@
-"""The stand-in's HTTP server: trtllm-serve's API over the simulated engine (EngineCore, in
-simulated time), its engine loop, its lifecycle (bound at once, listening once "loaded", a
-bounded drain on SIGTERM) and main()."""
+"""The stand-in's HTTP server: an engine's API (trtllm-serve's, vLLM's or SGLang's dialect,
+dialect.py) over the simulated engine (EngineCore, in simulated time), its engine loop, its
+lifecycle (bound at once, listening once "loaded", a bounded drain on SIGTERM), main() for
+trtllm-serve's command line and run() for every dialect's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import uvicorn
@@ -38,11 +39,13 @@ from fleet_agent.engine.core import (
     RequestRejected,
     TokenOut,
 )
+from fleet_agent.engine.standin.dialect_metrics import SglangMetrics, VllmMetrics
 from fleet_agent.engine.standin.openai_schemas import (
     ChatBody,
     CompletionBody,
+    PriorityChatBody,
+    PriorityCompletionBody,
     SamplingBody,
-    error_response,
     validation_message,
 )
 from fleet_agent.engine.standin.power import PowerMeter
@@ -100,6 +103,16 @@ class StandinServer:
         self._energy_j = 0.0  # what the energy counters already count
         self.stats: deque[dict[str, Any]] = deque(maxlen=STATS_BUFFER)
         self.prom = PromMetrics()
+        self.dialect = settings.dialect
+        # The vLLM or SGLang dialect's own /metrics families (trtllm's are self.prom's).
+        self.engine_metrics: VllmMetrics | SglangMetrics | None = None
+        if self.dialect.engine == "vllm":
+            self.engine_metrics = VllmMetrics(settings.served_model)
+        elif self.dialect.engine == "sglang" and self.dialect.metrics:
+            self.engine_metrics = SglangMetrics(settings.served_model)
+        lenient = self.dialect.engine != "trtllm"  # vLLM and SGLang ignore unknown fields
+        self._completion_body = PriorityCompletionBody if lenient else CompletionBody
+        self._chat_body = PriorityChatBody if lenient else ChatBody
         self.ready = False
         self.draining = False
         self.inflight = 0
@@ -110,18 +123,28 @@ class StandinServer:
         self._error_debt = 0.0  # "errors": every request adds the share, a whole one fails
         self._rng = random.Random()
         self._init_gauges()
-        self.app = Starlette(
-            routes=[
-                Route("/health", self.health, methods=["GET"]),
-                Route("/health_generate", self.health_generate, methods=["GET"]),
-                Route("/version", self.version, methods=["GET"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/metrics", self.metrics, methods=["GET"]),
-                Route("/prometheus/metrics", self.prometheus, methods=["GET"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            ]
-        )
+        self.app = Starlette(routes=self._routes())
+
+    def _routes(self) -> list[Route]:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+        engine = self.dialect.engine
+        if engine in ("trtllm", "sglang"):
+            routes.append(Route("/health_generate", self.health_generate, methods=["GET"]))
+        if engine in ("trtllm", "vllm"):
+            routes.append(Route("/version", self.version, methods=["GET"]))
+        if engine == "sglang":
+            routes.append(Route("/get_model_info", self.model_info, methods=["GET"]))
+        if engine == "trtllm":
+            routes.append(Route("/metrics", self.metrics, methods=["GET"]))
+            routes.append(Route("/prometheus/metrics", self.prometheus, methods=["GET"]))
+        elif self.engine_metrics is not None:
+            routes.append(Route("/metrics", self.engine_prometheus, methods=["GET"]))
+        return routes
 
     def sim_now(self) -> float:
         return self._epoch0 + (time.monotonic() - self._mono0) * self.speedup
@@ -209,6 +232,9 @@ class StandinServer:
     def _deliver(self, result: IterationResult) -> None:
         self.stats.append(result.stats)
         self.prom.iteration(result.stats)
+        metrics = self.engine_metrics
+        if metrics is not None:
+            metrics.iteration(result)
         channels = self._channels
         for tok in result.tokens:
             ch = channels.get(tok.request_id)
@@ -217,6 +243,8 @@ class StandinServer:
                 ch.event.set()
         for f in result.finished:
             self.prom.finished(f)
+            if metrics is not None:
+                metrics.finished(f)
             ch = channels.get(f.request_id)
             if ch is not None:
                 ch.finished = f
@@ -239,7 +267,9 @@ class StandinServer:
     async def health(self, request: Request) -> Response:
         if self.ready and not self.draining:
             return Response(status_code=200)
-        return Response("LLM is unavailable (stand-in draining).", status_code=503)
+        if self.dialect.engine == "trtllm":
+            return Response("LLM is unavailable (stand-in draining).", status_code=503)
+        return Response(status_code=503)
 
     async def health_generate(self, request: Request) -> Response:
         if not self.ready or self.draining:
@@ -263,16 +293,37 @@ class StandinServer:
             self.inflight -= 1
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": f"stand-in {STANDIN_VERSION}"})
+        if self.dialect.engine == "trtllm":
+            return JSONResponse({"version": f"stand-in {STANDIN_VERSION}"})
+        return JSONResponse({"version": self.dialect.version})
 
     async def models(self, request: Request) -> Response:
-        card = {
-            "id": self.settings.served_model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "tensorrt_llm",
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        owner = {"trtllm": "tensorrt_llm", "vllm": "vllm", "sglang": "sglang"}
+        created = int(time.time())
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": owner[self.dialect.engine],
+            }
+            for name in self.settings.served_models or (self.settings.served_model,)
+        ]
+        if self.dialect.engine != "trtllm":
+            for card in cards:  # vLLM's and SGLang's ModelCard carry these too
+                card["root"] = self.settings.served_model
+                card["max_model_len"] = self.core.max_seq_len
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def model_info(self, request: Request) -> Response:
+        # SGLang's /get_model_info (the fields the stand-in can fill).
+        return JSONResponse(
+            {
+                "model_path": self.settings.served_model,
+                "tokenizer_path": self.settings.served_model,
+                "is_generation": True,
+            }
+        )
 
     async def metrics(self, request: Request) -> Response:
         # Like trtllm-serve: iteration stats since the last read, and reading empties them.
@@ -288,7 +339,16 @@ class StandinServer:
         self.prom.kv_util.labels(**lv).set(used / self.core.max_blocks)
         self.prom.kv_used.labels(**lv).set(used)
         self.prom.kv_free.labels(**lv).set(self.core.max_blocks - used)
-        return Response(generate_latest(self.prom.registry), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(self.prom.registry) + generate_latest(self.prom.power_registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    async def engine_prometheus(self, request: Request) -> Response:
+        """vLLM's or SGLang's /metrics: its families, then the stand-in's power."""
+        metrics = self.engine_metrics
+        assert metrics is not None
+        metrics.refresh(self.core)
+        text = generate_latest(metrics.registry) + generate_latest(self.prom.power_registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -296,14 +356,14 @@ class StandinServer:
         try:
             raw = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "request body is not valid JSON")
+            return self.dialect.invalid("request body is not valid JSON")
         if not isinstance(raw, dict):
-            return error_response(400, "request body must be a JSON object")
+            return self.dialect.invalid("request body must be a JSON object")
         try:
             return model.model_validate(raw)
         except ValidationError as exc:
             message, param = validation_message(exc)
-            return error_response(400, message, param)
+            return self.dialect.invalid(message, param)
 
     def _bad_version_error(self) -> Response | None:
         """A bad version's share of failures (fleet-standin.json "errors"), spread evenly."""
@@ -314,23 +374,16 @@ class StandinServer:
         if self._error_debt < 1.0:
             return None
         self._error_debt -= 1.0
-        # trtllm-serve's own shape for a failed generation (openai_protocol.ErrorResponse).
+        # The engine's own shape for a failed generation (dialect.py).
         message = f"stand-in bad version: {BEHAVIOUR_FILE} says errors={share:g}"
-        body = {
-            "object": "error",
-            "message": message,
-            "type": "InternalServerError",
-            "param": None,
-            "code": 500,
-        }
-        return JSONResponse(body, status_code=500)
+        return self.dialect.error(500, message)
 
     async def completions(self, request: Request) -> Response:
         if not self.ready or self.draining:
-            return error_response(503, "the engine is shutting down")
+            return self.dialect.error(503, "the engine is shutting down")
         if (failed := self._bad_version_error()) is not None:
             return failed
-        body = await self._body(request, CompletionBody)
+        body = await self._body(request, self._completion_body)
         if isinstance(body, Response):
             return body
         assert isinstance(body, CompletionBody)
@@ -339,10 +392,10 @@ class StandinServer:
 
     async def chat_completions(self, request: Request) -> Response:
         if not self.ready or self.draining:
-            return error_response(503, "the engine is shutting down")
+            return self.dialect.error(503, "the engine is shutting down")
         if (failed := self._bad_version_error()) is not None:
             return failed
-        body = await self._body(request, ChatBody)
+        body = await self._body(request, self._chat_body)
         if isinstance(body, Response):
             return body
         assert isinstance(body, ChatBody)
@@ -358,6 +411,9 @@ class StandinServer:
         *,
         chat: bool,
     ) -> Response:
+        refused = self._check_request(body)
+        if refused is not None:
+            return refused
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         spec = GenerationRequest(
             request_id=request_id,
@@ -368,11 +424,12 @@ class StandinServer:
             ignore_eos=body.ignore_eos,
             # A bad version's "wrong_answers": greedy decoding no longer gives the same text.
             seed=self._rng.getrandbits(31) if self.behaviour.wrong_answers else body.seed,
+            priority=self.dialect.priority_key(getattr(body, "priority", None) or 0),
         )
         try:
             ch = self._submit(spec)
         except RequestRejected as exc:
-            return error_response(400, str(exc))
+            return self.dialect.error(400, str(exc))
         self.inflight += 1
         created = int(time.time())
         if body.stream:
@@ -413,6 +470,19 @@ class StandinServer:
                 "usage": _usage(finished.prompt_tokens, finished.completion_tokens),
             }
         )
+
+    def _check_request(self, body: SamplingBody) -> Response | None:
+        """What the engine refuses before scheduling: vLLM, a model it does not serve
+        (serving_engine._check_model, 404) and a priority without the priority policy."""
+        dialect = self.dialect
+        served = self.settings.served_models or (self.settings.served_model,)
+        if dialect.check_model and body.model not in served:
+            return dialect.error(404, f"The model `{body.model}` does not exist.", "model")
+        if dialect.refuse_priority and getattr(body, "priority", None):
+            return dialect.error(
+                400, "Priority scheduling is not enabled (--scheduling-policy priority)."
+            )
+        return None
 
     async def _stream(
         self,
@@ -624,16 +694,23 @@ def _engine_died(task: asyncio.Task[None], stop: asyncio.Event) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """trtllm-serve's dialect (`python -m fleet_agent.engine.standin`)."""
     args = build_parser().parse_args(argv)  # exits 2 on an unknown or malformed flag
+    return run(args.model, args.log_level, lambda env: build_settings(args, env))
+
+
+def run(model: str, log_level: str, build: Callable[[Mapping[str, str]], Settings]) -> int:
+    """Configure (`build` turns the environment into Settings), load, serve, drain: every
+    dialect's main after its command line is parsed."""
     level = {"internal_error": "CRITICAL", "verbose": "DEBUG", "trace": "DEBUG"}.get(
-        args.log_level, args.log_level.upper()
+        log_level, log_level.upper()
     )
     logging.basicConfig(level=level, format="[%(asctime)s] %(levelname)s %(message)s")
     try:
-        settings = build_settings(args, os.environ)
+        settings = build(os.environ)
         settings = dataclasses.replace(
             settings,
-            weights=find_weights(args.model, os.environ),
+            weights=find_weights(model, os.environ),
             read_mb_s=read_mb_s(os.environ),
         )
     except (ConfigError, WeightsError) as exc:

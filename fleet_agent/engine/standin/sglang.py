@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from fleet_agent.engine.standin.cli_flags import add_flag_table
-from fleet_agent.engine.standin.dialect import SGLANG_VERSION, Dialect, version_line
+from fleet_agent.engine.standin.dialect import SGLANG_VERSION, Dialect, PriorityMode, version_line
 from fleet_agent.engine.standin.settings import EngineArgs, Settings, settings_for
 from fleet_core.engines import sglang as spec
 
@@ -82,6 +82,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 def dialect(args: argparse.Namespace) -> Dialect:
+    mode: PriorityMode
     if not args.enable_priority_scheduling:
         mode = "off"
     elif args.schedule_low_priority_values_first:
