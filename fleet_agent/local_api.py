@@ -223,6 +223,12 @@ class AgentCollector(Collector):
         restarts = CounterMetricFamily(
             "agent_replica_restarts", "Engine restarts (crashes, unhealthy)", labels=labels
         )
+        preemptions = CounterMetricFamily(
+            "agent_replica_preemptions",
+            "Requests the engine preempted (evicted from the batch for KV-cache space, resumed "
+            "later), the engine's own cumulative count; absent where the engine has none",
+            labels=labels,
+        )
         supervisor = self.agent.supervisor
         deployment = (supervisor.deployment if supervisor is not None else None) or ""
         for replica in self.agent.replicas():
@@ -236,7 +242,9 @@ class AgentCollector(Collector):
                     family.add_metric(values, float(value))
             paused.add_metric(values, self._paused(index))
             restarts.add_metric(values, int(replica.get("restarts") or 0))
-        yield from (ready, gpus, *stats.values(), paused, restarts)
+            if replica.get("preemptions") is not None:  # the supervisor's ReplicaStats.preemptions
+                preemptions.add_metric(values, float(replica["preemptions"]))
+        yield from (ready, gpus, *stats.values(), paused, restarts, preemptions)
 
     def _paused(self, index: int) -> float:
         """numPausedRequests of the newest iteration the supervisor read from the engine."""

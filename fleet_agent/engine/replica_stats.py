@@ -29,7 +29,7 @@ from fleet_agent.engine.engine_metrics import (
     is_reset,
 )
 from fleet_agent.engine.scrape import EngineSample
-from fleet_agent.engine.scrape.trtllm import generation_requests, paused_requests
+from fleet_agent.engine.scrape.trtllm import PAUSED_IN_POLL, generation_requests
 
 # What the windows keep of each scrape (a full scrape is ~60 families per replica).
 _WINDOW_COUNTERS = ("generation_tokens", "prefix_queries", "prefix_hits")
@@ -89,6 +89,13 @@ def update_stats(s: ReplicaStats, at: float, sample: EngineSample | None, window
         {k: v for k, v in sample.counters.items() if k in _WINDOW_COUNTERS},
         {k: v for k, v in sample.histograms.items() if k in dict(_QUANTILES)},
     )
+    if not kept.counters and not kept.histograms:
+        # trtllm's iteration stats alone (its Prometheus text not read this poll): the
+        # latency windows keep their figures and their history.
+        s.tokens_per_s = iter_rate
+        if sample.prefix_hit_rate is not None:
+            s.cache_hit_rate = sample.prefix_hit_rate
+        return
     if s.scrapes and is_reset(kept, s.scrapes[-1][1]):
         s.scrapes.clear()  # the engine restarted: its counters started over
     s.scrapes.append((at, kept))
@@ -116,8 +123,8 @@ def update_stats(s: ReplicaStats, at: float, sample: EngineSample | None, window
 def _count_preemptions(s: ReplicaStats, sample: EngineSample) -> None:
     if "preemptions" in sample.counters:
         s.preemptions = int(sample.counters["preemptions"])
-    elif sample.entries:  # trtllm: no counter; every entry is handed out once, so sum them
-        s.preemptions = (s.preemptions or 0) + int(paused_requests(sample.entries))
+    elif PAUSED_IN_POLL in sample.counters:  # trtllm has no counter: sum its polls' pauses
+        s.preemptions = (s.preemptions or 0) + int(sample.counters[PAUSED_IN_POLL])
 
 
 def _window_hit_rate(

@@ -23,6 +23,19 @@ Sources read (NVIDIA/TensorRT-LLM on GitHub):
 - `update_llm_args_with_extra_dict` (llm_args.py / llm_utils.py): a YAML key REPLACES what the
   flags built (e.g. a YAML `kv_cache_config` drops the flag's free-memory fraction), so no key
   is ever given both ways here.
+- Version: `trtllm-serve` (commit 4c05a748's serve.py) is a click `DefaultGroup` without a
+  version option, and any first word that is not a subcommand is routed to `serve`, which has
+  no --version either: `trtllm-serve --version` fails. So the agent asks the Python beside the
+  `trtllm-serve` script (`<its dir>/python3`, or `python3` on PATH for a bare name) for
+  importlib.metadata's version of tensorrt_llm, importing nothing of TensorRT-LLM or CUDA; any
+  other command (the stand-in) is asked `--version`. 1.0 is the first release with the flags
+  above (`--extra_llm_api_options` is not in 0.17/0.18's CLI), so the range is 1.0 to 1.2.
+- Priority: `tensorrt_llm/serve/openai_protocol.py` (commit
+  54cf7be08a3582024dfa6791e8bb8b2034bfad67): CompletionRequest and ChatCompletionRequest have
+  no priority field and forbid unknown fields (`OpenAIBaseModel`, `extra="forbid"`), so a
+  "priority" would be refused (400); ResponsesRequest's `service_tier` is OpenAI's billing
+  tier, not a scheduling priority. `priority_fields` is therefore {} for trtllm: the router's
+  waiting room is the only place its classes are ordered.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from fleet_core.engines.base import EngineSpec, Launch, LaunchSpec
+from fleet_core.engines.base import EngineSpec, Launch, LaunchSpec, metadata_version_argv
 
 # engine_params key -> the trtllm-serve flag (see the module docstring for where each is read).
 INT_FLAGS: dict[str, str] = {
@@ -230,6 +243,7 @@ def _plain(value: Any) -> Any:
 
 
 EXTRA_OPTIONS_FILE = "extra-llm-api-options.yaml"
+DISTRIBUTION = "tensorrt_llm"
 
 
 class TrtllmEngine(EngineSpec):
@@ -255,7 +269,12 @@ class TrtllmEngine(EngineSpec):
         return Launch(argv, {EXTRA_OPTIONS_FILE: text})
 
     def version_argv(self, command: Sequence[str]) -> list[str]:
-        return [*command, "--version"]
+        program = command[-1] if command else ""
+        if program.rsplit("/", 1)[-1] != "trtllm-serve":
+            return [*command, "--version"]
+        # The console script's own interpreter is the python beside it (a venv's bin/).
+        python = program.rsplit("/", 1)[0] + "/python3" if "/" in program else "python3"
+        return metadata_version_argv([*command[:-1], python], DISTRIBUTION)
 
     def params_schema(self) -> dict[str, Any]:
         return params_schema()

@@ -27,14 +27,18 @@ TRTLLM = (FIXTURES / "trtllm_serve_metrics_doc.json").read_text()
 INF = float("inf")
 
 
-def later(sample: EngineSample, counters: dict[str, float], observe: dict[str, float]) -> EngineSample:
+def later(
+    sample: EngineSample, counters: dict[str, float], observe: dict[str, float]
+) -> EngineSample:
     """A later scrape of the same engine: counters grown by `counters`, and one observation of
     each histogram family at the value `observe[family]` (added to every bucket it falls in)."""
     grown = {k: v + counters.get(k, 0.0) for k, v in sample.counters.items()}
     grown.update({k: v for k, v in counters.items() if k not in sample.counters})
     histograms = {
-        family: {le: n + (1.0 if family in observe and observe[family] <= le else 0.0)
-                 for le, n in buckets.items()}
+        family: {
+            le: n + (1.0 if family in observe and observe[family] <= le else 0.0)
+            for le, n in buckets.items()
+        }
         for family, buckets in sample.histograms.items()
     }
     return dataclasses.replace(sample, counters=grown, histograms=histograms)
@@ -76,7 +80,7 @@ def test_trtllm_published_iteration_stats() -> None:
     assert sample.kv_used_fraction == pytest.approx(3 / 101256)
     assert sample.prefix_hit_rate == pytest.approx(0.00128)
     assert sample.entries == json.loads(TRTLLM)
-    assert (sample.counters, sample.histograms) == ({}, {})
+    assert (sample.counters, sample.histograms) == ({"paused_requests": 0.0}, {})
 
 
 @pytest.mark.parametrize(
@@ -116,8 +120,11 @@ def test_two_scrapes_give_windowed_latencies_tokens_and_preemptions() -> None:
     first = parse("sglang", {"/metrics": SGLANG})
     first = dataclasses.replace(first, counters={**first.counters, "preemptions": 4.0})
     # ten seconds later: 500 tokens, 2 more retractions, one request of TTFT 0.03 s and e2e 0.4 s
-    second = later(first, {"generation_tokens": 500.0, "preemptions": 2.0},
-                   {"ttft": 0.03, "e2e": 0.4, "itl": 0.012})
+    second = later(
+        first,
+        {"generation_tokens": 500.0, "preemptions": 2.0},
+        {"ttft": 0.03, "e2e": 0.4, "itl": 0.012},
+    )
     stats = ReplicaStats()
     update_stats(stats, 100.0, first, 60.0)
     assert stats.preemptions == 4
@@ -196,7 +203,7 @@ def test_trtllm_gauges_stand_in_for_an_idle_engine() -> None:
 def test_trtllm_paused_requests_summed_into_preemptions() -> None:
     stats = ReplicaStats()
     update_stats(stats, 0.0, parse("trtllm", {"/metrics": "[]"}), 60.0)
-    assert stats.preemptions is None  # no iteration seen yet
+    assert stats.preemptions == 0  # a counter from the first poll, idle or not
     polls = [[_entry(1, 2, 4), _entry(2, 1, 4)], [], [_entry(3, 3, 4)]]
     for i, entries in enumerate(polls, start=1):
         update_stats(stats, float(i), parse("trtllm", {"/metrics": json.dumps(entries)}), 60.0)
@@ -231,7 +238,7 @@ def test_vllm_renamed_families_map_to_the_same_fields() -> None:
             f'# TYPE {names["kv"][i]} gauge\n{names["kv"][i]}{{engine="0"}} 0.25\n'
             f'# TYPE {names["queries"][i]} counter\n{names["queries"][i]}_total{{engine="0"}} 400\n'
             f'# TYPE {names["hits"][i]} counter\n{names["hits"][i]}_total{{engine="0"}} 100\n'
-            f'# TYPE {names["itl"][i]} histogram\n'
+            f"# TYPE {names['itl'][i]} histogram\n"
             f'{names["itl"][i]}_bucket{{engine="0",le="0.05"}} 3\n'
             f'{names["itl"][i]}_bucket{{engine="0",le="+Inf"}} 4\n'
         )
@@ -266,7 +273,10 @@ def test_vllm_data_parallel_engines_summed() -> None:
 
 
 def test_vllm_v0_hit_rate_gauge_minus_one_is_unknown() -> None:
-    v0 = "# TYPE vllm:gpu_prefix_cache_hit_rate gauge\nvllm:gpu_prefix_cache_hit_rate{model_name=\"m\"} -1.0\n"
+    v0 = (
+        "# TYPE vllm:gpu_prefix_cache_hit_rate gauge\n"
+        'vllm:gpu_prefix_cache_hit_rate{model_name="m"} -1.0\n'
+    )
     assert parse("vllm", {"/metrics": v0}).prefix_hit_rate is None
 
 

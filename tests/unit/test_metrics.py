@@ -330,6 +330,7 @@ class StubSupervisor:
                 "running": 8,
                 "kv_used_fraction": 0.75,
                 "cache_hit_rate": 0.4,
+                "preemptions": 17,
             }
         ]
 
@@ -400,5 +401,6 @@ def test_agent_replica_series() -> None:
         "agent_replica_load_seconds": 41.5,
         "agent_replica_paused_requests": 3,  # the newest iteration's
         "agent_replica_restarts_total": 2,
+        "agent_replica_preemptions_total": 17,  # the engine's cumulative count
     }
     assert {name: value(samples, name, **replica) for name in expected} == expected

@@ -42,7 +42,9 @@ class EngineSample:
     waiting: int | None
     kv_used_fraction: float | None
     prefix_hit_rate: float | None
-    counters: dict[str, float]  # generation_tokens, prompt_tokens, preemptions, prefix_*
+    # generation_tokens, prompt_tokens, preemptions, prefix_queries, prefix_hits; trtllm adds
+    # paused_requests: its pauses in this poll's iterations (a delta, see scrape/trtllm.py)
+    counters: dict[str, float]
     histograms: dict[str, dict[float, float]]  # ttft, e2e, itl
     entries: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # trtllm's /metrics
 

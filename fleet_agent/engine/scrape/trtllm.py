@@ -7,8 +7,8 @@ The newest iteration entry gives running, queued, KV used ÷ max blocks and the 
 An idle engine runs no iterations: with no new entries the Prometheus gauges stand in, else
 running = waiting = 0. TensorRT-LLM has no preemption counter: each entry's
 inflightBatchingStats.numPausedRequests (requests paused in that iteration, evicted from the
-batch for KV-cache space) is summed across polls by update_stats (replica_stats.py); every entry
-is read exactly once, so the sum counts each pause once.
+batch for KV-cache space) is handed to update_stats (replica_stats.py) as counters["paused_requests"] for the poll and
+summed there across polls; every entry is read exactly once, so the sum counts each pause once.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from fleet_agent.engine.scrape.sample import (
 
 PATHS = ("/metrics", "/prometheus/metrics")
 ITERATION_STATS = "/metrics iteration stats (a JSON list)"
+PAUSED_IN_POLL = "paused_requests"  # EngineSample.counters key, trtllm only: see parse()
 
 TABLE = FamilyTable(
     running=(RUNNING,),
@@ -91,7 +92,12 @@ def parse(texts: Mapping[str, str]) -> EngineSample:
         waiting=waiting,
         kv_used_fraction=kv_used,
         prefix_hit_rate=hit_rate,
-        counters=dict(prom.counters) if prom is not None else {},
+        # Not cumulative, unlike the others: the pauses in the iterations this poll read, which
+        # update_stats sums into the preemption count (every entry is handed out once).
+        counters={
+            **(prom.counters if prom is not None else {}),
+            PAUSED_IN_POLL: paused_requests(entries),
+        },
         histograms=dict(prom.histograms) if prom is not None else {},
         entries=entries,
     )
