@@ -142,6 +142,14 @@ def check_known(engine: EngineSpec, params: Mapping[str, Any], known: frozenset[
         )
 
 
+def check_parallel_keys(engine: EngineSpec, params: Mapping[str, Any]) -> None:
+    """The parallel sizes are absent (1) or integers, never null: the GPUs a replica takes are
+    their product (the schemas say so too)."""
+    for key in engine.parallel_keys:
+        if key in params and params[key] is None:
+            raise ValueError(f"engine_params.{key} must be an integer, not null (absent: 1)")
+
+
 def check_int(params: Mapping[str, Any], key: str, *, minimum: int = 1) -> None:
     value = params.get(key)
     if value is None:

@@ -45,6 +45,7 @@ from fleet_core.engines.base import (
     Priority,
     check_bool,
     check_known,
+    check_parallel_keys,
     metadata_version_argv,
 )
 from fleet_core.engines.flags import FlagTable
@@ -101,6 +102,7 @@ class SglangEngine(EngineSpec):
 
     def check_params(self, params: Mapping[str, Any]) -> None:
         check_known(self, params, KNOWN)
+        check_parallel_keys(self, params)
         FLAGS.check(params)
         check_bool(params, PRIORITY_KEY)
 

@@ -39,6 +39,7 @@ from fleet_core.engines.base import (
     LaunchSpec,
     Priority,
     check_known,
+    check_parallel_keys,
 )
 from fleet_core.engines.flags import FlagTable
 
@@ -90,6 +91,7 @@ class VllmEngine(EngineSpec):
 
     def check_params(self, params: Mapping[str, Any]) -> None:
         check_known(self, params, KNOWN)
+        check_parallel_keys(self, params)
         FLAGS.check(params)
 
     def max_batch_size(self, params: Mapping[str, Any]) -> int | None:
