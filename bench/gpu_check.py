@@ -122,7 +122,8 @@ def engine(args: argparse.Namespace, summary: dict[str, Any]) -> bool:
             spec.version_argv(command), capture_output=True, text=True, timeout=120, check=False
         )
         (args.out / "version.txt").write_text(out.stdout + out.stderr)
-        report["version"] = spec.check_version(out.stdout + out.stderr)
+        # stdout first: a warning on stderr must not pass for the version.
+        report["version"] = spec.check_version(out.stdout if out.stdout.strip() else out.stderr)
     except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
         report["error"] = f"version check: {exc}"
         return False

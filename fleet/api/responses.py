@@ -209,7 +209,10 @@ class DeploymentRoutes(BaseModel):
     deployment: str
     models: list[str]  # the names requests may use for it
     model_uri: str
-    engine: str = "trtllm"  # fleet_core/engines: the router adds its priority field
+    engine: str = "trtllm"  # fleet_core/engines
+    # Per class (interactive, batch): the fields the router adds to a request so that the
+    # engine schedules it by priority ({}: none).
+    priority_fields: dict[str, dict[str, Any]] = {}
     tp_size: int  # one replica's tensor-parallel size, whatever the engine calls it
     max_batch_size: int | None  # the most requests a replica runs at once, when set
     sla_p95_latency_ms: float

@@ -83,6 +83,12 @@ def routing_table(
                 # The engine (the router adds its priority field to requests) and one
                 # replica's shape, in engine-neutral terms.
                 "engine": deployment.engine,
+                # What the router adds to a request of each class so that the engine
+                # schedules it by priority ({}: the engine has no such field, or the
+                # deployment turned its priority scheduling off).
+                "priority_fields": {
+                    cls: engine.priority_fields(cls, params) for cls in ("interactive", "batch")
+                },
                 "tp_size": engine.parallelism(params)[0],
                 "max_batch_size": engine.max_batch_size(params),
                 "sla_p95_latency_ms": deployment.sla_p95_latency_ms,

@@ -15,6 +15,9 @@ from fleet_core.engines.base import (
 )
 
 
+_CONTROLS = "\\u0000-\\u001f\\u007f-\\u009f"
+
+
 @dataclass(frozen=True)
 class FlagTable:
     """engine_params key -> the engine's flag, by the kind of value it takes. A key is the
@@ -100,7 +103,9 @@ class FlagTable:
                 "type": ["string", "null"],
                 "minLength": 1,
                 "maxLength": 200,
-                "pattern": "^[^-]",
+                # Not a flag (no leading '-'), no control characters (the API's edge
+                # refuses them anywhere; the schema says so).
+                "pattern": f"^[^-{_CONTROLS}][^{_CONTROLS}]*$",
             }
         return {"type": "object", "properties": props, "additionalProperties": False}
 

@@ -46,7 +46,13 @@ from typing import Any
 
 import yaml
 
-from fleet_core.engines.base import EngineSpec, Launch, LaunchSpec, metadata_version_argv
+from fleet_core.engines.base import (
+    EngineSpec,
+    Launch,
+    LaunchSpec,
+    check_parallel_keys,
+    metadata_version_argv,
+)
 
 # engine_params key -> the trtllm-serve flag (see the module docstring for where each is read).
 INT_FLAGS: dict[str, str] = {
@@ -254,6 +260,7 @@ class TrtllmEngine(EngineSpec):
     parallel_keys = ("tp_size", "pp_size")
 
     def check_params(self, params: Mapping[str, Any]) -> None:
+        check_parallel_keys(self, params)
         check_engine_params(params)
 
     def max_batch_size(self, params: Mapping[str, Any]) -> int | None:
