@@ -76,11 +76,14 @@ def update_stats(s: ReplicaStats, at: float, sample: EngineSample | None, window
         s.kv_used_fraction = sample.kv_used_fraction
     _count_preemptions(s, sample)
 
-    # trtllm's iteration stats: each generation request decodes one token per iteration.
-    s.iter_tokens.append((at, generation_requests(sample.entries)))
-    _trim(s.iter_tokens, at, window_s)
+    # trtllm's iteration stats: each generation request decodes one token per iteration. Its
+    # parser marks every sample with the poll's paused requests, even with no entries (idle).
+    iteration_stats = PAUSED_IN_POLL in sample.counters
+    if iteration_stats:
+        s.iter_tokens.append((at, generation_requests(sample.entries)))
+        _trim(s.iter_tokens, at, window_s)
     iter_rate = None
-    if len(s.iter_tokens) >= 2 and at > s.iter_tokens[0][0]:
+    if iteration_stats and len(s.iter_tokens) >= 2 and at > s.iter_tokens[0][0]:
         generated = sum(n for _, n in list(s.iter_tokens)[1:])
         iter_rate = generated / (at - s.iter_tokens[0][0])
 
@@ -106,9 +109,9 @@ def update_stats(s: ReplicaStats, at: float, sample: EngineSample | None, window
     tokens_before = base.counters.get("generation_tokens") if base is not None else None
     if tokens_before is not None and "generation_tokens" in kept.counters and at > base_at:
         counter_rate = (kept.counters["generation_tokens"] - tokens_before) / (at - base_at)
-    # The engine's token counter where it has one (None until two scrapes); trtllm without it
-    # (no /prometheus/metrics, or idle since start) counts iteration stats instead.
-    s.tokens_per_s = counter_rate if "generation_tokens" in kept.counters else iter_rate
+    # The engine's token counter over the window; until it has two scrapes (or without it),
+    # trtllm's iteration stats, which other engines do not have.
+    s.tokens_per_s = counter_rate if counter_rate is not None else iter_rate
 
     s.cache_hit_rate = _window_hit_rate(kept, base, sample, s.cache_hit_rate)
     for family, quantiles in _QUANTILES:

@@ -7,8 +7,9 @@ The newest iteration entry gives running, queued, KV used ÷ max blocks and the 
 An idle engine runs no iterations: with no new entries the Prometheus gauges stand in, else
 running = waiting = 0. TensorRT-LLM has no preemption counter: each entry's
 inflightBatchingStats.numPausedRequests (requests paused in that iteration, evicted from the
-batch for KV-cache space) is handed to update_stats (replica_stats.py) as counters["paused_requests"] for the poll and
-summed there across polls; every entry is read exactly once, so the sum counts each pause once.
+batch for KV-cache space) goes to update_stats (replica_stats.py) as the poll's
+counters["paused_requests"] and is summed there across polls; every entry is read exactly
+once, so the sum counts each pause once.
 """
 
 from __future__ import annotations
