@@ -40,15 +40,15 @@ What it models for the other engines (CoreConfig; the defaults above are trtllm-
   (vLLM's `--scheduling-policy priority`, SGLang's `--enable-priority-scheduling`; the stand-in's
   SGLang dialect negates SGLang's higher-first values). "fcfs" (default): arrival order.
 - `kv_policy="preempt"` (vLLM V1's and SGLang's way; "reserve" is GUARANTEED_NO_EVICT above): a
-  waiting request is admitted when blocks for its prompt (and its first output token) are free
-  (they are held from then on);
-  a running request takes a new block when its next token crosses a block boundary, and when
-  none is free a running request is preempted — the newest under "fcfs", the one with the
-  largest (priority, arrival) under "priority" (vLLM V1's Scheduler.schedule): its blocks are
-  freed and it goes back to the head of the waiting queue. Resumed, it recomputes its prompt
-  and the tokens it already wrote (vLLM V1 preempts by recompute), then goes on writing. No
-  request is admitted in an iteration that preempted (as in vLLM V1). `num_preemptions` counts
-  them all. Blocks are held for the whole prompt at admission (vLLM allocates per chunk).
+  waiting request is admitted when blocks for its prompt (and its first output token) are free,
+  and holds them; a running request takes a new block when its next token crosses a block
+  boundary, and when none is free a running request is preempted — the newest under "fcfs",
+  the one with the largest (priority, arrival) under "priority" (vLLM V1's Scheduler.schedule):
+  its blocks are freed and it goes back to the head of the waiting queue. Resumed, it
+  recomputes its prompt and the tokens it already wrote (vLLM V1 preempts by recompute), then
+  goes on writing. No request is admitted in an iteration that preempted (as in vLLM V1).
+  `num_preemptions` counts them all. Blocks are held for the whole prompt at admission (vLLM
+  allocates per chunk).
 - `priority_preemption_threshold` (SGLang's `--priority-scheduling-preemption-threshold`): a
   waiting request that cannot be admitted (no batch slot or blocks) preempts the running request
   with the largest (priority, arrival) when that one's priority is worse by more than the
@@ -308,6 +308,7 @@ class EngineCore:
         self._kv = _KvCounters()
         self._arrivals = itertools.count()
         self.num_preemptions = 0  # cumulative (kv_policy "preempt", priority preemption)
+        self._held = 0  # blocks held by active requests (kv_policy "preempt"), kept as they move
         self._gpu_mem = cost_model.gpu_memory_used_bytes(self.shape)
         # The per-GPU power limit the GPUs enforce (None: their default, the TDP); the stand-in
         # sets it from the simulated driver's state.
@@ -330,7 +331,7 @@ class EngineCore:
     def used_blocks(self) -> int:
         """Blocks in use: filled ones ("reserve"), held ones ("preempt")."""
         if self.config.kv_policy == "preempt":
-            return sum(r.held_blocks for r in self._active.values())
+            return self._held
         return sum(self._blocks(r.cached_tokens) for r in self._active.values())
 
     @property
@@ -405,8 +406,11 @@ class EngineCore:
         if request_id not in self._ids:
             return False
         self._ids.discard(request_id)
-        if self._active.pop(request_id, None) is None:
+        active = self._active.pop(request_id, None)
+        if active is None:
             self._waiting.remove(request_id)
+        else:
+            self._held -= active.held_blocks
         return True
 
     def _prompt_block_hashes(self, prompt: str, prompt_tokens: int) -> list[bytes]:
@@ -485,7 +489,7 @@ class EngineCore:
 
         self._iteration += 1
         for f in finished:
-            del self._active[f.request_id]
+            self._held -= self._active.pop(f.request_id).held_blocks
             self._ids.discard(f.request_id)
         stats = self._stats(
             start=start,
@@ -536,7 +540,9 @@ class EngineCore:
                 continue
             self._waiting.pop()
             self._active[head.spec.request_id] = head
-            head.held_blocks = need if preempt else 0
+            if preempt:
+                head.held_blocks = need
+                self._held += need
             reserved += need
             admitted += 1
         return admitted
@@ -563,8 +569,9 @@ class EngineCore:
         for _ in range(len(self._active) + 1):
             if need <= 0:
                 return
-            if self.max_blocks - self.used_blocks >= need:
+            if self.max_blocks - self._held >= need:
                 r.held_blocks += need
+                self._held += need
                 return
             victim = self._newest_victim()
             self._preempt(victim, preempted)
@@ -580,6 +587,7 @@ class EngineCore:
         """Free its blocks and send it back to the head of the waiting queue; it recomputes
         its prompt and what it wrote when admitted again."""
         del self._active[r.spec.request_id]
+        self._held -= r.held_blocks
         r.held_blocks = 0
         r.context_tokens = r.prompt_tokens + r.generated
         r.computed = 0

@@ -48,6 +48,7 @@ def drain(core: EngineCore) -> tuple[list[IterationResult], dict[str, Finished],
             texts.setdefault(tok.request_id, []).append(tok.text)
         done.update((f.request_id, f) for f in result.finished)
     assert not core.has_work(), "engine did not drain"
+    assert core.used_blocks == 0  # every block held came back
     return results, done, {rid: "".join(parts) for rid, parts in texts.items()}
 
 
@@ -180,6 +181,15 @@ def test_a_waiting_request_preempts_one_worse_by_more_than_the_threshold() -> No
     assert run(10) == (["interactive", "batch"], 1)
     assert run(20) == (["batch", "interactive"], 0)  # a difference of exactly 20 is not enough
     assert run(None) == (["batch", "interactive"], 0)
+
+
+def test_abort_frees_held_blocks() -> None:
+    core = make_core(kv_policy="preempt")
+    core.add_request(request("a"))
+    core.add_request(request("b"))
+    core.step()
+    held = core.used_blocks
+    assert held == 2 * 2 and core.abort("a") and core.used_blocks == held - 2
 
 
 def test_abort_works_in_the_priority_queue() -> None:

@@ -1,7 +1,14 @@
-"""A STAND-IN for TensorRT-LLM's `trtllm-serve`, for hosts without GPUs (CI, the demo, the
-virtual colo). It is not an inference engine: it computes nothing, it only behaves like one.
+"""A STAND-IN for TensorRT-LLM's `trtllm-serve`, vLLM's `vllm serve` and SGLang's launch_server,
+for hosts without GPUs (CI, the demo, the virtual colo). It is not an inference engine: it
+computes nothing, it only behaves like one.
 
     python -m fleet_agent.engine.standin <model> [trtllm-serve flags]
+    python -m fleet_agent.engine.standin.vllm serve <model> [vllm serve flags]     (vllm.py)
+    python -m fleet_agent.engine.standin.sglang --model-path <model> [flags]       (sglang.py)
+
+What follows describes the trtllm-serve dialect; the other two differ in their command line,
+routes, metric names, error bodies and scheduling (dialect.py, docs/engine.md "Dialects"),
+over the same engine core, cost model, weights, power and lifecycle.
 
 It takes trtllm-serve's command line (the flags the agent's EngineSupervisor passes are honoured,
 the other documented ones accepted and ignored, unknown ones refused with exit status 2), speaks
@@ -41,9 +48,12 @@ and under a power limit takes its capped time. /prometheus/metrics adds, per GPU
   fleet_standin_gpu_energy_joules_total
   fleet_standin_gpu_power_limit_watts  the limit it runs under (the TDP without one)
 
-The package: settings.py (the command line, the YAML and FLEET_STANDIN_* → Settings),
-openai_schemas.py (the OpenAI request bodies and error shape), prometheus_metrics.py
-(trtllm-serve's `trtllm_*` Prometheus metrics and the stand-in's power), power.py (the power
-meter), weights.py (the checkpoint read at load, bad versions), server.py (the HTTP server,
-the engine loop, the lifecycle and main()); __main__.py runs main().
+The package: settings.py (the command line, the YAML and FLEET_STANDIN_* → Settings), vllm.py
+and sglang.py (those dialects' command lines and entry points), cli_flags.py (argparse from an
+EngineSpec's flag table), dialect.py (what differs per engine: version, priority, error
+bodies), openai_schemas.py (the OpenAI request bodies), prometheus_metrics.py (trtllm-serve's
+`trtllm_*` Prometheus metrics and the stand-in's power), dialect_metrics.py (`vllm:*`,
+`sglang:*`), power.py (the power meter), weights.py (the checkpoint read at load, bad
+versions), server.py (the HTTP server, the engine loop, the lifecycle, main() and run());
+__main__.py runs main().
 """

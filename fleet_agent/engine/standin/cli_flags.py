@@ -19,5 +19,7 @@ def add_flag_table(parser: argparse.ArgumentParser, table: FlagTable) -> None:
         parser.add_argument(flag, dest=key, action="store_true", default=False)
     for key, (flag, allowed) in table.choices.items():
         parser.add_argument(flag, dest=key, choices=list(allowed), default=None)
+    for key, flag in table.toggles.items():  # --x / --no-x; None: the engine's default
+        parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None)
     for key, flag in table.strings.items():
         parser.add_argument(flag, dest=key, default=None)

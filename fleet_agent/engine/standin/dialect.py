@@ -25,6 +25,7 @@ EngineName = Literal["trtllm", "vllm", "sglang"]
 # higher values run first).
 PriorityMode = Literal["off", "low_first", "high_first"]
 
+LAST = 2**31  # an SGLang request without a priority, behind every one with a priority
 _KINDS = {
     400: "BadRequestError",
     404: "NotFoundError",
@@ -42,6 +43,7 @@ class Dialect:
     metrics: bool = True  # SGLang exposes /metrics only with --enable-metrics
     # vLLM refuses a nonzero priority unless --scheduling-policy priority.
     refuse_priority: bool = False
+    max_queued: int | None = None  # SGLang's --max-queued-requests: 503 past it
 
     def error(self, status: int, message: str, param: str | None = None) -> JSONResponse:
         """This engine's error body for an error it raises itself."""
@@ -64,18 +66,21 @@ class Dialect:
             return JSONResponse({"error": info}, status_code=400)
         return self.error(400, message, param)
 
-    def priority_key(self, priority: int) -> int:
-        """The request's priority as EngineCore orders it (lower first)."""
-        if self.priority == "high_first":
-            return -priority
-        return priority if self.priority == "low_first" else 0
+    def priority_key(self, priority: int | None) -> int:
+        """The request's priority as EngineCore orders it (lower first). Without one: 0 in
+        vLLM (its default); last in SGLang, as fleet_core/engines/sglang.py describes it."""
+        if self.priority == "off":
+            return 0
+        if priority is None:
+            return LAST if self.engine == "sglang" else 0
+        return -priority if self.priority == "high_first" else priority
 
 
 # The versions each dialect claims (--version, /version): inside fleet_core/engines' supported
-# ranges (tests/unit/test_engine_standin_dialects.py checks them against the specs).
+# ranges (tests/unit/test_engine_standin_cli.py checks them against the specs).
 TRTLLM_VERSION = "1.1.0"
 VLLM_VERSION = "0.11.0"
-SGLANG_VERSION = "0.5.3"
+SGLANG_VERSION = "0.5.4"
 TRTLLM = Dialect("trtllm", TRTLLM_VERSION)
 
 

@@ -127,13 +127,16 @@ class ChatBody(SamplingBody):
 
 
 class PriorityCompletionBody(CompletionBody):
-    # vLLM's and SGLang's request models log and drop unknown fields instead of refusing them.
+    # vLLM's and SGLang's request models log and drop unknown fields instead of refusing them,
+    # and take a request without "model" (the served model).
     model_config = ConfigDict(extra="ignore")
+    model: str | None = None  # type: ignore[assignment]
     priority: int | None = None  # lower first in vLLM; SGLang: see dialect.PriorityMode
 
 
 class PriorityChatBody(ChatBody):
     model_config = ConfigDict(extra="ignore")
+    model: str | None = None  # type: ignore[assignment]
     priority: int | None = None
 
 

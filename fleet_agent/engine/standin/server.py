@@ -424,7 +424,7 @@ class StandinServer:
             ignore_eos=body.ignore_eos,
             # A bad version's "wrong_answers": greedy decoding no longer gives the same text.
             seed=self._rng.getrandbits(31) if self.behaviour.wrong_answers else body.seed,
-            priority=self.dialect.priority_key(getattr(body, "priority", None) or 0),
+            priority=self.dialect.priority_key(getattr(body, "priority", None)),
         )
         try:
             ch = self._submit(spec)
@@ -473,15 +473,18 @@ class StandinServer:
 
     def _check_request(self, body: SamplingBody) -> Response | None:
         """What the engine refuses before scheduling: vLLM, a model it does not serve
-        (serving_engine._check_model, 404) and a priority without the priority policy."""
+        (serving_engine._check_model, 404; none or "" means the served one) and a priority
+        without the priority policy; SGLang, a request past --max-queued-requests (503)."""
         dialect = self.dialect
         served = self.settings.served_models or (self.settings.served_model,)
-        if dialect.check_model and body.model not in served:
+        if dialect.check_model and body.model and body.model not in served:
             return dialect.error(404, f"The model `{body.model}` does not exist.", "model")
         if dialect.refuse_priority and getattr(body, "priority", None):
             return dialect.error(
                 400, "Priority scheduling is not enabled (--scheduling-policy priority)."
             )
+        if dialect.max_queued is not None and self.core.num_waiting >= dialect.max_queued:
+            return dialect.error(503, "The request queue is full.")
         return None
 
     async def _stream(

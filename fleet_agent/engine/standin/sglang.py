@@ -8,8 +8,9 @@ with exit status 2. What it models of SGLang (docs/engine.md, "Dialects"): conti
 with chunked prefill (--chunked-prefill-size tokens an iteration), the radix cache as prefix
 reuse, requests retracted when the KV pool (--max-total-tokens) runs out in decode, and the
 `priority` request field under --enable-priority-scheduling: HIGHER values first, as SGLang,
-unless --schedule-low-priority-values-first; a waiting request preempts a running one whose
-priority is worse by more than --priority-scheduling-preemption-threshold (10). /health,
+unless --schedule-low-priority-values-first (the agent passes both); a waiting request preempts
+a running one whose priority is worse by more than --priority-scheduling-preemption-threshold
+(10); past --max-queued-requests waiting, a request is refused (503). /health,
 /health_generate, /get_model_info, /v1/models, /metrics (`sglang:*`, only with
 --enable-metrics) and SGLang's error bodies.
 """
@@ -45,11 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--served-model-name", dest="served_model_name", default=None)
     p.add_argument("--enable-metrics", action="store_true")
-    p.add_argument("--enable-priority-scheduling", action="store_true")
-    p.add_argument("--schedule-low-priority-values-first", action="store_true")
-    p.add_argument(
-        "--priority-scheduling-preemption-threshold", type=int, default=DEFAULT_PREEMPTION_THRESHOLD
-    )
+    for flag in spec.PRIORITY_FLAGS:  # --enable-priority-scheduling, ...-values-first
+        p.add_argument(flag, action="store_true")
     add_flag_table(p, spec.FLAGS)
     return p
 
@@ -75,7 +73,9 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         policy="priority" if priority else "fcfs",
         kv_policy="preempt",
         priority_preemption_threshold=(
-            args.priority_scheduling_preemption_threshold if priority else None
+            _or(args.priority_scheduling_preemption_threshold, DEFAULT_PREEMPTION_THRESHOLD)
+            if priority
+            else None
         ),
         kv_capacity_tokens=args.max_total_tokens,
     )
@@ -89,7 +89,17 @@ def dialect(args: argparse.Namespace) -> Dialect:
         mode = "low_first"
     else:
         mode = "high_first"
-    return Dialect("sglang", SGLANG_VERSION, priority=mode, metrics=args.enable_metrics)
+    return Dialect(
+        "sglang",
+        SGLANG_VERSION,
+        priority=mode,
+        metrics=args.enable_metrics,
+        max_queued=args.max_queued_requests,
+    )
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def build_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:

@@ -2,8 +2,8 @@
 
     python -m fleet_agent.engine.standin.vllm serve <model> [vllm serve flags]
 
-The flags are the ones fleet_core/engines/vllm.py emits (its FLAGS table, plus --host, --port,
---served-model-name and --[no-]enable-prefix-caching); any other is refused with exit status 2.
+The flags are the ones fleet_core/engines/vllm.py emits (its FLAGS table, plus --host, --port
+and --served-model-name); any other is refused with exit status 2.
 What it models of vLLM V1 (docs/engine.md, "Dialects"): continuous batching with chunked
 prefill and prefix caching on, KV blocks of --block-size (16) tokens taken as tokens arrive,
 preemption by recompute when they run out, and the `priority` request field under
@@ -44,12 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", dest="served_model_name", nargs="+", default=None)
-    serve.add_argument(
-        "--enable-prefix-caching",
-        dest=spec.PREFIX_CACHING,
-        action=argparse.BooleanOptionalAction,
-        default=None,
-    )
     add_flag_table(serve, spec.FLAGS)
     return p
 
@@ -70,9 +64,10 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         max_num_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_seq_len=args.max_model_len,
         kv_fraction=args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-        chunked_prefill=True,  # always on in vLLM V1
-        block_reuse=getattr(args, spec.PREFIX_CACHING) is not False,
-        tokens_per_block=args.block_size or DEFAULT_BLOCK_SIZE,
+        # Both on by default in vLLM V1; --no-enable-... turns them off.
+        chunked_prefill=args.enable_chunked_prefill is not False,
+        block_reuse=args.enable_prefix_caching is not False,
+        tokens_per_block=getattr(args, "block_size", None) or DEFAULT_BLOCK_SIZE,
         seed=args.seed,
         policy="priority" if priority else "fcfs",
         kv_policy="preempt",
