@@ -27,13 +27,29 @@ def demo(
     workdir: Annotated[
         Path | None, typer.Option("--dir", help="Working directory [a new temporary one].")
     ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            "--engine",
+            help="Run every deployment on this engine (trtllm, vllm, sglang) [each on its own: "
+            "one deployment per engine].",
+        ),
+    ] = None,
 ) -> None:
     """The whole fleet on this machine: a virtual colo, the fleet service and the router, a
     replayed day of real traffic with a spike, a GPU fault and a calendar entry; a summary and
-    a chart at the end. Everything it starts stops when it ends (or on Ctrl-C)."""
-    from fleet.demo.run import Options, run_demo
+    a chart at the end. Everything it starts stops when it ends (or on Ctrl-C).
 
-    options = Options(duration_s=duration, servers=servers, live=live, keep=keep, workdir=workdir)
+    The fleet mixes engines: one deployment each on TensorRT-LLM, vLLM and SGLang stand-ins,
+    served through the one router (--engine puts all three on one engine)."""
+    from fleet.demo.run import Options, run_demo
+    from fleet_core.engines import ENGINES
+
+    if engine is not None and engine not in ENGINES:
+        raise CliError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    options = Options(
+        duration_s=duration, servers=servers, live=live, keep=keep, workdir=workdir, engine=engine
+    )
     try:
         run_demo(options, console)
     except KeyboardInterrupt:

@@ -116,6 +116,14 @@ def lab_up(
             "for Ansible to install the agent: the lab starts no agent itself. Needs root.",
         ),
     ] = False,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            "--engine",
+            help="Run every deployment of the inventory on this engine's stand-in (trtllm, "
+            "vllm, sglang), its replica shape kept in that engine's option names [as written].",
+        ),
+    ] = None,
 ) -> None:
     """Run the virtual colo in the foreground until Ctrl-C or SIGTERM.
 
@@ -128,16 +136,29 @@ def lab_up(
     --ssh: a server powered on boots an SSH host instead (docs/lab.md): the inventory gets each
     server's `ssh` block (127.0.0.1, its port, its pinned host key), DIR/ansible holds the
     Ansible inventory (fleet.yml, host_vars/, known_hosts), and the fleet's key is
-    DIR/ssh/id_ed25519 (`fleetctl lab ssh-key` prints it before the lab is up)."""
+    DIR/ssh/id_ed25519 (`fleetctl lab ssh-key` prints it before the lab is up).
+
+    Every agent has every engine's stand-in (docs/lab.md): each deployment runs on the engine
+    it names, so a mixed inventory is a mixed fleet; --engine moves them all onto one."""
     import signal
     import threading
 
+    import yaml
+
     from fleet.inventory.schema import parse_inventory
     from fleet.lab.colo import DEFAULT_BOOT_DELAY_S, POWER_FEED_S, VirtualColo
+    from fleet.lab.engines import inventory_on_engine
     from fleet.lab.ssh_hosts import check_ssh_mode
     from fleet.lab.state import lab_running, load_state
 
-    inv = parse_inventory(inventory.read_bytes())
+    if engine is None:
+        inv = parse_inventory(inventory.read_bytes())
+    else:
+        try:
+            moved = inventory_on_engine(yaml.safe_load(inventory.read_bytes()) or {}, engine)
+        except (ValueError, yaml.YAMLError) as exc:
+            raise CliError(f"--engine {engine}: {exc}") from None
+        inv = parse_inventory(yaml.safe_dump(moved, sort_keys=False))
     if ssh:
         check_ssh_mode()
     api = api_client(fleet_url, token) if do_import else None

@@ -92,7 +92,7 @@ class Replay:
         # A unique head: no two prompts share a cached prefix.
         prompt = f"request {i}: " + "x" * max(0, 4 * arrival.prompt_tokens - 16)
         body = {
-            "model": self.model,
+            "model": arrival.deployment or self.model,
             "prompt": prompt,
             "max_tokens": arrival.output_tokens,
             "stream": True,

@@ -3,9 +3,12 @@
 The fleet: the first `servers` 4 × L40S servers of fleet/data/inventory/demo.yaml's ams1-r03 rack,
 all warm
 spares, behind the Redfish emulator (sushy-tools installs with pip, so the demo needs no system
-package; the inventory's own L40S BMCs speak IPMI). One deployment, Llama-3.1-70B FP8 on four
-L40S (TP 4, one replica a server), whose stand-in engines run ~10 tokens/s per request: a few
-requests a second keep a server busy, so the machine running the demo is not the bottleneck.
+package; the inventory's own L40S BMCs speak IPMI). Three deployments, one per engine
+(fleet/data/inventory/demo-fleet.yaml: trtllm, vllm, sglang; or all on one engine), each
+Llama-3.1-70B FP8 on four L40S (TP 4, one replica a server), whose stand-in engines run ~10
+tokens/s per request: a few requests a second keep a server busy, so the machine running the
+demo is not the bottleneck. Each gets its own share of the traffic (its own draw of the trace),
+so the autoscaler scales each on its own signals.
 
 The timeline, over `duration` seconds of traffic (the fractions are of the duration):
 
@@ -25,10 +28,12 @@ from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.lab.engines import on_engine
 from fleet.traces import TraceRequest
+from fleet_core import engines
 
 RACK = "ams1-r03"
-DEPLOYMENT = "llama-70b"
+DEPLOYMENT = "llama-70b"  # the first of the demo's fleet: the calendar entry and the live view
 MODEL_URI = "s3://fleet-models/meta-llama/Llama-3.1-70B-Instruct-FP8"
 
 
@@ -61,6 +66,7 @@ class Arrival:
     at_s: float
     prompt_tokens: int
     output_tokens: int
+    deployment: str = DEPLOYMENT  # the "model" the request names
 
 
 def demo_inventory(full: dict[str, Any], servers: int) -> dict[str, Any]:
@@ -91,24 +97,46 @@ def demo_inventory(full: dict[str, Any], servers: int) -> dict[str, Any]:
     raise ValueError(f"the inventory has no rack {RACK}")
 
 
-def deployment(servers: int) -> dict[str, Any]:
-    """The demo's deployment: 70B FP8, TP 4 on a 4 × L40S server, small batches (queues build
-    at demo rates), SLAs an L40S meets when not overloaded."""
-    return {
-        "name": DEPLOYMENT,
-        "model_uri": MODEL_URI,
-        "model_checksum": "sha256:03e8122b89f0f3193849363bb84d6f217b1c40729b2c10bed1b9fdaebe48874a",
-        "engine_params": {"backend": "pytorch", "tp_size": 4, "max_batch_size": 8},
-        "gpus_per_replica": 4,
-        "gpu_models": ["L40S"],
-        "min_replicas": 2,
-        "max_replicas": servers,
-        # An idle replica answers in ~3 s (24 tokens at ~0.11 s an iteration): the SLA leaves
-        # the autoscaler's low water (half of it) above that floor, so that it can scale down.
-        "sla_p95_latency_ms": 10_000,
-        "sla_ttft_ms": 3_000,
-        "disruption_budget": 1,
-    }
+def deployments(
+    fleet: dict[str, Any], servers: int, engine: str | None = None
+) -> list[dict[str, Any]]:
+    """The demo's deployments as the API takes them, from demo-fleet.yaml's entries (`fleet`,
+    the inventory document): each on its own engine, or all on `engine`. Each may grow onto
+    every server the others' floors leave."""
+    entries = list(fleet.get("deployments") or [])
+    floors = sum(int(e["replicas"]["min"]) for e in entries)
+    out = []
+    for entry in entries:
+        moved = on_engine(entry, engine or str(entry.get("engine") or engines.DEFAULT_ENGINE))
+        low = int(entry["replicas"]["min"])
+        out.append(
+            {
+                "name": moved["name"],
+                "model_uri": moved["model"]["uri"],
+                "model_checksum": moved["model"]["checksum"],
+                "engine": moved["engine"],
+                "engine_params": moved["engine_params"],
+                "gpus_per_replica": moved["gpus_per_replica"],
+                "gpu_models": moved["gpu_models"],
+                "min_replicas": low,
+                "max_replicas": max(low, servers - (floors - low)),
+                "sla_p95_latency_ms": moved["sla"]["p95_latency_ms"],
+                "sla_ttft_ms": moved["sla"]["ttft_ms"],
+                "disruption_budget": moved.get("disruption_budget", 1),
+            }
+        )
+    return out
+
+
+def replica_shape(deployment: dict[str, Any]) -> tuple[int, int]:
+    """(tensor parallel size, batch limit) of one replica, whatever its engine names them."""
+    spec = engines.spec(deployment["engine"])
+    params = deployment["engine_params"]
+    tp, _ = spec.parallelism(params)
+    batch = spec.max_batch_size(params)
+    if batch is None:
+        raise ValueError(f"deployment {deployment['name']}: the demo needs a batch limit")
+    return tp, batch
 
 
 def arrivals(
@@ -119,10 +147,11 @@ def arrivals(
     max_prompt: int = 1024,
     max_output: int = 24,
     seed: int = 0,
+    deployment: str = DEPLOYMENT,
 ) -> list[Arrival]:
     """The trace's hour compressed into the duration, its shape kept, thinned so that its mean
     is `base_rps` before the timeline's factors; sizes capped to what the demo's engines
-    answer in seconds. Deterministic for a seed."""
+    answer in seconds, every request for `deployment`. Deterministic for a seed."""
     if not trace:
         return []
     rng = random.Random(seed)
@@ -143,6 +172,25 @@ def arrivals(
                     at_s=t + i * 1e-3,
                     prompt_tokens=max(1, min(request.prompt_tokens, max_prompt)),
                     output_tokens=max(1, min(request.output_tokens, max_output)),
+                    deployment=deployment,
                 )
             )
     return out
+
+
+def mixed_arrivals(
+    trace: Sequence[TraceRequest],
+    timeline: Timeline,
+    base_rps: float,
+    names: Sequence[str],
+    *,
+    seed: int = 0,
+) -> list[Arrival]:
+    """`arrivals` for each deployment of `names` (a draw of its own: seed + its index), each
+    at `base_rps`, merged in time order."""
+    merged = [
+        a
+        for i, name in enumerate(names)
+        for a in arrivals(trace, timeline, base_rps, seed=seed + i, deployment=name)
+    ]
+    return sorted(merged, key=lambda a: a.at_s)

@@ -3,11 +3,13 @@
 1. The fleet service (embedded SQLite, its control loops on, windows and delays shortened) and
    the virtual colo (the demo's servers behind a Redfish emulator, agents with STAND-IN engines)
    start; the inventory is imported and every BMC verified: all servers are warm spares.
-2. The deployment is created with min_replicas 2: the autoscaler's floor boots two spares
-   through their BMCs (their boot-to-ready times are measured: the calendar's lead).
+2. The deployments are created, one per engine (trtllm, vllm, sglang; or all on --engine),
+   each with min_replicas 1: the autoscaler's floors boot a spare each through its BMC (their
+   boot-to-ready times are measured: the calendar's lead).
 3. The router starts; a calendar entry ("launch") is added for a window in the traffic.
-4. The Azure conversation trace is replayed through the router (time-compressed, thinned), with
-   a spike and a fall (fleet/demo/plan.py); a fatal Xid is injected into a serving server.
+4. The Azure conversation trace is replayed through the router (time-compressed, thinned), a
+   draw of it per deployment, with a spike and a fall (fleet/demo/plan.py); a fatal Xid is
+   injected into a serving server.
 5. A summary, a chart, and (unless --keep) everything stops.
 """
 
@@ -47,6 +49,7 @@ from fleet.demo.world import (
 from fleet.traces import load_trace
 from fleet_core import cost_model
 
+DEMO_FLEET = DEMO_INVENTORY.parent / "demo-fleet.yaml"  # the demo's deployments
 FAULT_XID = 79  # "GPU has fallen off the bus": fatal, the agent drains itself
 # After the traffic, at most: in-flight requests finish and the scale-down ends. The latency
 # signals look back a minute (the engines' and the router's p95 windows), so the scale-down
@@ -61,23 +64,25 @@ MARKER = "FLEETDEMO_DIR"
 class Options:
     duration_s: float = 120.0
     servers: int = 6
+    engine: str | None = None  # every deployment on this engine; None: each on its own
     live: bool = True
     keep: bool = False
     workdir: Path | None = None
     inventory: Path = DEMO_INVENTORY
+    fleet: Path = DEMO_FLEET
     trace: str = "conv"
     seed: int = 0
 
 
 def capacity_rps(deployment: dict[str, Any], prompt: float, output: float) -> float:
     """Requests a second one demo server answers at its batch limit (the cost model)."""
+    tp, batch = plan.replica_shape(deployment)
     shape = cost_model.EngineShape(
         gpu=cost_model.gpu_spec("L40S"),
         model=cost_model.guess_model(deployment["model_uri"]),
-        tp_size=deployment["engine_params"]["tp_size"],
-        max_batch_size=deployment["engine_params"]["max_batch_size"],
+        tp_size=tp,
+        max_batch_size=batch,
     )
-    batch = deployment["engine_params"]["max_batch_size"]
     tokens_per_s = cost_model.predicted_decode_tokens_per_s(shape, batch, prompt, output)
     return tokens_per_s / output
 
@@ -102,7 +107,13 @@ def run_demo(options: Options, console: Console) -> Summary:
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ[MARKER] = str(workdir)
     timeline = plan.Timeline(options.duration_s)
-    deployment = plan.deployment(options.servers)
+    deployments = plan.deployments(
+        yaml.safe_load(options.fleet.read_text()), options.servers, options.engine
+    )
+    floors = sum(d["min_replicas"] for d in deployments)
+    if options.servers < floors + 1:
+        raise DemoError(f"--servers must be at least {floors + 1}: {floors} floors and a spare")
+    deployment = deployments[0]
     sla_s = deployment["sla_p95_latency_ms"] / 1000
     inventory = plan.demo_inventory(yaml.safe_load(options.inventory.read_text()), options.servers)
     trace = load_trace(options.trace)
@@ -110,8 +121,9 @@ def run_demo(options: Options, console: Console) -> Summary:
     mean_prompt = sum(a.prompt_tokens for a in probe) / max(1, len(probe))
     mean_output = sum(a.output_tokens for a in probe) / max(1, len(probe))
     per_server = capacity_rps(deployment, mean_prompt, mean_output)
-    # Two servers at 60 % before the spike: the spike needs about twice the fleet it starts on.
-    base_rps = 0.6 * 2 * per_server
+    # Two servers' worth at 60 % before the spike, shared by the deployments: the spike needs
+    # about twice the fleet it starts on.
+    base_rps = 0.6 * 2 * per_server / len(deployments)
     world = World(workdir)
 
     def say(text: str) -> None:
@@ -123,7 +135,8 @@ def run_demo(options: Options, console: Console) -> Summary:
             say(f"working directory {workdir} (logs, the database, the chart)")
             say(
                 "time is compressed: the trace's hour is replayed in "
-                f"{options.duration_s:.0f} s, thinned to {base_rps:.1f} requests/s before the "
+                f"{options.duration_s:.0f} s, thinned to {base_rps:.1f} requests/s a "
+                f"deployment ({len(deployments)}) before the "
                 f"spike ×{timeline.spike_factor:g} and the fall ×{timeline.fall_factor:g}; "
                 f"servers boot in {BOOT_DELAY_S:g} s plus the Redfish emulator's 1-11 s "
                 "(real ones take 10-15 min); the autoscaler scales up after "
@@ -131,9 +144,10 @@ def run_demo(options: Options, console: Console) -> Summary:
                 f"down after {SERVICE_SETTINGS['FLEET_AUTOSCALE_DOWN_WINDOW_S']} s under it "
                 "(60 s and 10 min by default)"
             )
-            _bring_up(world, inventory, deployment, say)
+            _bring_up(world, inventory, deployments, say)
+            names = [d["name"] for d in deployments]
             summary = _run_traffic(
-                world, options, timeline, trace, base_rps, per_server, sla_s, say, console
+                world, options, timeline, trace, names, base_rps, per_server, sla_s, say, console
             )
             completed = True
             return summary
@@ -167,7 +181,7 @@ def _verify(world: World, servers: list[str], attempts: int = 5) -> None:
 def _bring_up(
     world: World,
     inventory: dict[str, Any],
-    deployment: dict[str, Any],
+    deployments: list[dict[str, Any]],
     say: Callable[[str], None],
 ) -> None:
     started = time.monotonic()
@@ -183,25 +197,33 @@ def _bring_up(
         lambda: {s["state"] for s in world.api("GET", "/servers")["results"]} == {"warm"},
         60,
     )
-    say(
-        f"deployment {deployment['name']} (Llama-3.1-70B FP8, TP 4 on L40S, min 2 replicas): "
-        "the autoscaler boots two spares through their BMCs"
-    )
-    world.api("POST", "/deployments", json=deployment)
+    floors = sum(int(d["min_replicas"]) for d in deployments)
+    for deployment in deployments:
+        tp, batch = plan.replica_shape(deployment)
+        say(
+            f"deployment {deployment['name']} on {deployment['engine']} (Llama-3.1-70B FP8, TP "
+            f"{tp} on L40S, {batch} at once, min {deployment['min_replicas']}: "
+            f"{deployment['engine_params']})"
+        )
+        world.api("POST", "/deployments", json=deployment)
+    say(f"the autoscaler boots {floors} spares through their BMCs (each engine's stand-in)")
 
-    def two_serving() -> bool:
+    def floors_serving() -> bool:
         rows = world.api("GET", "/servers")["results"]
-        return sum(1 for s in rows if s["state"] == "serving") >= 2
+        return sum(1 for s in rows if s["state"] == "serving") >= floors
 
-    wait_until("two servers serving", two_serving, 180, every=0.5)
-    say("starting the router (estimated completion time behind model affinity)")
+    wait_until(f"{floors} servers serving", floors_serving, 180, every=0.5)
+    say(
+        "starting the router (estimated completion time behind model affinity; priority to engines)"
+    )
     start_router(world)
     say(f"ready in {time.monotonic() - started:.0f} s")
 
 
-def _add_launch(world: World, timeline: plan.Timeline, servers: int) -> dict[str, Any]:
-    """The calendar entry: at least 4 replicas from the launch fraction of the traffic (or one
-    lead time and a little from now, if that is later), as a 6-field cron at that UTC second."""
+def _add_launch(world: World, timeline: plan.Timeline, replicas: int) -> dict[str, Any]:
+    """The calendar entry of the first deployment: at least `replicas` from the launch fraction
+    of the traffic (or one lead time and a little from now, if that is later), as a 6-field
+    cron at that UTC second."""
     lead = world.api(
         "POST",
         "/schedules/preview",
@@ -223,7 +245,7 @@ def _add_launch(world: World, timeline: plan.Timeline, servers: int) -> dict[str
             "deployment": plan.DEPLOYMENT,
             "cron": f"{start:%S %M %H %d %m} *",
             "timezone": "UTC",
-            "min_replicas": min(4, servers),
+            "min_replicas": replicas,
             "duration_s": round(timeline.at(timeline.launch_until - timeline.launch_at)),
             "note": "demo: a product launch",
         },
@@ -248,21 +270,23 @@ def _run_traffic(
     options: Options,
     timeline: plan.Timeline,
     trace: list[Any],
+    names: list[str],
     base_rps: float,
     per_server: float,
     sla_s: float,
     say: Callable[[str], None],
     console: Console,
 ) -> Summary:
-    arrivals = plan.arrivals(trace, timeline, base_rps, seed=options.seed)
+    arrivals = plan.mixed_arrivals(trace, timeline, base_rps, names, seed=options.seed)
     replay = Replay(world.router_url, plan.DEPLOYMENT, arrivals)
-    entry = _add_launch(world, timeline, options.servers)
+    # Two replicas for the first deployment's launch: the others keep their floors.
+    entry = _add_launch(world, timeline, min(2, options.servers - len(names) + 1))
     say(
         f"calendar entry {entry['id']}: at least {entry['min_replicas']} replicas from "
         f"{entry['next']['start_local'][11:19]} UTC, booting from "
         f"{entry['next']['boot_at_local'][11:19]} ({entry['lead_basis']})"
     )
-    say(f"replaying {len(arrivals)} requests through the router")
+    say(f"replaying {len(arrivals)} requests through the router to {', '.join(names)}")
     samples: list[Sample] = []
     faulted: str | None = None
     header = f"Fleet demo — {options.servers} servers, {options.duration_s:.0f} s of traffic"
@@ -295,9 +319,13 @@ def _run_traffic(
             live.stop()
         replay.stop()
     events = _events_since(world, world.began)
-    decisions = world.api(
-        "GET", f"/autoscaler/{plan.DEPLOYMENT}/decisions", params={"limit": 1000}
-    )["results"]
+    decisions = [
+        row
+        for name in names
+        for row in world.api("GET", f"/autoscaler/{name}/decisions", params={"limit": 1000})[
+            "results"
+        ]
+    ]
     summary = summarize(replay.snapshot(), samples, events, decisions, sla_s)
     picture = chart(
         world.workdir / "demo.png", samples, replay.snapshot(), timeline, sla_s, per_server

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,8 @@ class Sample:
     racks: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     decision: str = ""
+    # Per deployment (engine, serving, target): the demo's fleet mixes engines.
+    deployments: dict[str, tuple[str, int, int]] = field(default_factory=dict)
 
 
 def p95(values: Sequence[float]) -> float | None:
@@ -67,9 +69,12 @@ def observe(world: World, replay: Replay, phase: str) -> Sample:
     recent = [r for r in results if r.ok and r.sent_at + (r.latency_s or 0) >= t - WINDOW_S]
     sent_recent = sum(1 for a in replay.arrivals if t - WINDOW_S <= a.at_s < t)
     servers = world.api("GET", "/servers", params={"limit": 1000})["results"]
-    [scaler] = [
-        r for r in world.api("GET", "/autoscaler")["results"] if r["deployment"] == DEPLOYMENT
-    ]
+    # Every deployment of the demo's fleet (it has no other): the fleet's figures summed, the
+    # worst signals; the calendar's floor and the last decision are the first deployment's.
+    scalers = world.api("GET", "/autoscaler")["results"]
+    engines = {
+        d["name"]: d.get("engine", "trtllm") for d in world.api("GET", "/deployments")["results"]
+    }
     deployment = world.api("GET", f"/deployments/{DEPLOYMENT}")
     decisions = world.api("GET", f"/autoscaler/{DEPLOYMENT}/decisions", params={"limit": 1})
     events = world.api("GET", "/events", params={"limit": 8})["results"]
@@ -81,17 +86,17 @@ def observe(world: World, replay: Replay, phase: str) -> Sample:
     except (httpx.HTTPError, ValueError, KeyError):
         pass
     lab = world.colo.state()["servers"] if world.colo is not None else {}
-    signals = scaler.get("signals") or {}
+    signals = [r.get("signals") or {} for r in scalers]
     return Sample(
         t=t,
         phase=phase,
         states=dict(Counter(s["state"] for s in servers)),
-        target=scaler["target"],
-        serving=scaler["serving"],
-        on_the_way=scaler["on_the_way"],
+        target=sum(int(r["target"]) for r in scalers),
+        serving=sum(int(r["serving"]) for r in scalers),
+        on_the_way=sum(int(r["on_the_way"]) for r in scalers),
         floor=int(deployment.get("floor_servers", 0) or 0),
-        queue_per_gpu=signals.get("queue_per_gpu"),
-        engine_p95_s=signals.get("p95_latency_s"),
+        queue_per_gpu=_worst(s.get("queue_per_gpu") for s in signals),
+        engine_p95_s=_worst(s.get("p95_latency_s") for s in signals),
         router_waiting=waiting,
         offered_rps=sent_recent / min(WINDOW_S, max(t, 1e-9)),
         client_p95_s=p95([r.latency_s for r in recent if r.latency_s is not None]),
@@ -102,6 +107,23 @@ def observe(world: World, replay: Replay, phase: str) -> Sample:
         racks=racks,
         events=events,
         decision=(decisions["results"][0]["reason"] if decisions["results"] else ""),
+        deployments={
+            r["deployment"]: (engines.get(r["deployment"], "?"), r["serving"], r["target"])
+            for r in scalers
+        },
+    )
+
+
+def _worst(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def per_deployment(sample: Sample) -> str:
+    """`name (engine) serving/target` for each deployment."""
+    return "  ".join(
+        f"{name} ({engine}) {serving}/{target}"
+        for name, (engine, serving, target) in sorted(sample.deployments.items())
     )
 
 
@@ -138,7 +160,7 @@ def render(sample: Sample, sla_s: float, header: str) -> Group:
             states.add_column(state, justify="right")
     states.add_row(*(str(sample.states[s]) for s in STATE_ORDER if sample.states.get(s)))
 
-    capacity = Table(title=f"{DEPLOYMENT}: demand, capacity, latency", expand=True)
+    capacity = Table(title="the fleet: demand, capacity, latency", expand=True)
     for name in (
         "offered req/s",
         "target",
@@ -183,9 +205,10 @@ def render(sample: Sample, sla_s: float, header: str) -> Group:
     events.add_column("what", overflow="fold")
     for event in sample.events[:8]:
         events.add_row(event["at"][11:19], f"{event['subject']}: {event['message']}"[:160])
-    why = Text(f"last decision: {sample.decision}"[:300], style="italic")
+    fleet = Text(f"serving/target: {per_deployment(sample)}"[:300])
+    why = Text(f"last decision ({DEPLOYMENT}): {sample.decision}"[:300], style="italic")
     title = f"{header}  t = {sample.t:5.0f} s  {sample.phase}"
-    return Group(Panel(Text(title, style="bold")), states, capacity, racks, why, events)
+    return Group(Panel(Text(title, style="bold")), states, capacity, fleet, racks, why, events)
 
 
 def line(sample: Sample) -> str:
@@ -196,7 +219,7 @@ def line(sample: Sample) -> str:
         f"target={sample.target} booting={sample.on_the_way} serving={sample.serving} "
         f"floor={sample.floor} queue/GPU={_f(sample.queue_per_gpu, 2)} "
         f"waiting={sample.router_waiting} p95={_f(sample.client_p95_s)}s "
-        f"drawn={rack_drawn_kw(sample)}kW [{states}]"
+        f"drawn={rack_drawn_kw(sample)}kW [{states}] {per_deployment(sample)}"
     )
 
 

@@ -87,6 +87,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleet.inventory.schema import InventoryFile, ServerIn, parse_inventory
 from fleet.lab import LabError
+from fleet.lab.engines import standin_commands
 from fleet.lab.ipmi_sim import IpmiSim
 from fleet.lab.notices import NoticeServer
 from fleet.lab.processes import (
@@ -826,12 +827,13 @@ class VirtualColo:
             FLEET_AGENT_SIM_GPUS=str(node.spec.gpu.count),
             FLEET_AGENT_SIM_FAULT_FILE=str(node.workdir / "faults.json"),
             FLEET_AGENT_SIM_SEED=str(node.seed),
-            # Engines: the STAND-IN (no GPUs here), one port per possible replica.
-            FLEET_AGENT_ENGINE_COMMAND=f"{sys.executable} -m fleet_agent.engine.standin",
+            # Engines: the STAND-IN of each engine (below; no GPUs here), one port per
+            # possible replica.
             FLEET_AGENT_ENGINE_BASE_PORT=str(free_port_block(max(node.spec.gpu.count, 1))),
             FLEET_AGENT_WORK_DIR=str(node.workdir / "agent"),
             FLEET_STANDIN_GPU=node.spec.gpu.model,
         )
+        env.update(standin_commands())  # a deployment's engine picks one (fleet/lab/engines.py)
         env.update(self._weights_env(node))
         env.update(self.agent_env)
         env["FLEET_AGENT_API_KEY"] = node.api_key  # the key `inject` presents: not overridable
@@ -1333,7 +1335,7 @@ class VirtualColo:
             "FLEET_AGENT_SIM_GPUS": str(node.spec.gpu.count),
             "FLEET_AGENT_SIM_FAULT_FILE": str(node.workdir / "faults.json"),
             "FLEET_AGENT_SIM_SEED": str(node.seed),
-            "FLEET_AGENT_ENGINE_COMMAND": f"{sys.executable} -m fleet_agent.engine.standin",
+            **standin_commands(),
             "FLEET_AGENT_ENGINE_BASE_PORT": str(node.engine_base_port),
             "FLEET_STANDIN_GPU": node.spec.gpu.model,
         }

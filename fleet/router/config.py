@@ -58,6 +58,10 @@ class RouterSettings(BaseSettings):
     # Load reports to the fleet (requests waiting, client-side p95s): autoscaler signals. They
     # need a router token (`fleetctl token create --role router`); 0 turns them off.
     report_s: float = Field(default=5.0, ge=0)
+    # The request's class reaches engines that schedule by priority as their own field
+    # (vLLM's and SGLang's `priority`; fleet/router/priority.py). Off: bodies pass as sent
+    # (benchmarks' "without" arm; an engine started without its priority scheduling).
+    pass_priority: bool = True
     log_level: str = "INFO"
 
     @field_validator("strategy")

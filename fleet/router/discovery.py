@@ -1,8 +1,9 @@
 """The router's worker view: the fleet's routing table, then every agent's /state.
 
 - Every `fleet_poll_s`: GET /api/v1/routing — the deployments, the names requests may use for
-  each, and the replicas of serving servers with a fresh heartbeat. New replicas join with the
-  cost model's capacity prior; gone ones leave (requests in flight on them finish and close
+  each, their engine's priority fields (fleet/router/priority.py), and the replicas of
+  serving servers with a fresh heartbeat. New replicas join with the cost model's capacity
+  prior; gone ones leave (requests in flight on them finish and close
   their books on the objects they hold).
 - Every `agent_poll_s` (250 ms): each listed agent's /state — whether it is ready (not
   draining, GPUs healthy), each replica's state, queue, running requests and KV use. Never the
@@ -26,6 +27,7 @@ from fleet.router.admission import AdmissionQueue
 from fleet.router.config import RouterSettings
 from fleet.router.estimates import Throughput, prior_capacity, stream_rate
 from fleet.router.pool import DeploymentPool
+from fleet.router.priority import table_priorities
 from fleet.router.strategy import Replica, make
 from fleet.tls import client_context
 
@@ -85,6 +87,8 @@ class WorkerView:
                 pool = self._new_pool(name)
                 self.pools[name] = pool
             pool.models = frozenset(row.get("models") or [name])
+            pool.engine = str(row.get("engine") or "trtllm")
+            pool.priorities = table_priorities(row)
             limit = int(row.get("max_batch_size") or self.settings.replica_limit)
             current: dict[str, Replica] = {}
             for item in row.get("replicas") or []:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from fleet.router.admission import AdmissionQueue, Priority
 from fleet.router.estimates import OutputEstimate, Throughput
+from fleet.router.priority import NONE, ClassFields
 from fleet.router.strategy import PREFILL_WEIGHT, Replica, Request, RoutingStrategy
 
 
@@ -98,6 +99,11 @@ class DeploymentPool:
     canary_weight: float = 0.0
     mixed: bool = False  # replicas of more than the stable version: choose by version
     credit: float = 0.0  # the smooth weighting's running balance
+    engine: str = "trtllm"  # the routing table's "engine" (absent: trtllm)
+    # What each class adds to a request's body for the deployment's engine (priority.py)
+    priorities: dict[Priority, ClassFields] = field(
+        default_factory=lambda: {"interactive": NONE, "batch": NONE}
+    )
 
     # -- versions -------------------------------------------------------------------------
 

@@ -6,8 +6,10 @@ times slower than an aiohttp one (docs/performance.md), and aiohttp's ClientSess
 about half of the router's CPU per request (bench/router_overhead.py). aiohttp's
 ClientSession remains for the polls and the load reports.
 
-Per request: the body is read once and forwarded unchanged; `model` selects the deployment;
-`x-fleet-priority: interactive|batch` (default interactive) its class in the waiting room. The
+Per request: the body is read once and forwarded unchanged, but for the class's priority field
+of engines that schedule by priority (priority.py; `pass_priority` off: never); `model` selects
+the deployment; `x-fleet-priority: interactive|batch` (default interactive) its class in the
+waiting room and in the engine. The
 deployment's strategy picks a replica (or the request waits; 429 + Retry-After when the room
 is full). Connect errors and 503s before the first byte go to another replica (at most
 `attempts` in all); once a byte has reached the client the request stays where it is. SSE
@@ -33,6 +35,7 @@ from fleet.router.config import RouterSettings
 from fleet.router.discovery import WorkerView, client_tls
 from fleet.router.metrics import RouterMetrics
 from fleet.router.pool import DeploymentPool, NoReplica, QueueFull, Ticket
+from fleet.router.priority import with_priority
 from fleet.router.strategy import Request
 from fleet.router.tokens import max_output, prompt_tokens
 from fleet.router.upstream import Response as UpstreamResponse
@@ -191,6 +194,8 @@ class Router:
                         "deployment": p.name,
                         "models": sorted(p.models),
                         "strategy": p.strategy.name,
+                        "engine": p.engine,
+                        "priority_fields": {c: dict(p.priorities[c].fields) for c in PRIORITIES},
                         "queue": {c: p.queue.depth(c) for c in PRIORITIES},
                         "expected_output_tokens": round(p.estimate.value, 1),
                         "versions": {
@@ -254,6 +259,8 @@ class Router:
                 "invalid_request_error",
             )
         priority: Priority = "interactive" if priority_text == "interactive" else "batch"
+        if self.settings.pass_priority:
+            raw = with_priority(raw, body, pool.priorities[priority])
         cost = Request(
             model=model,
             prompt_tokens=prompt_tokens(body, chat),
