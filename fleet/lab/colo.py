@@ -194,6 +194,9 @@ class _Node:
     host_ref: ProcRef | None = None
     agent_port: int = 0
     engine_base_port: int = 0
+    # The running agent's environment (its ports among it): a restart (restart_agent) starts
+    # the same agent again, as systemd's Restart= would, so it finds its engines where they are.
+    agent_env: dict[str, str] | None = None
 
     @property
     def redfish(self) -> bool:
@@ -786,14 +789,17 @@ class VirtualColo:
         log.info("%s: rebooting (systemctl reboot on the host)", node.name)
         self._write_state()
 
-    def _start_agent(self, node: _Node) -> None:
+    def _start_agent(self, node: _Node, env: dict[str, str] | None = None) -> None:
         if node.token is None:
             node.token = self._token_for(node.name)
-        port = free_port()
-        env = self._agent_env(node, node.token, port)
+        started = "restarted" if env is not None else "started on power-on boot"
+        if env is None:
+            env = self._agent_env(node, node.token, free_port())
+        port = int(env["FLEET_AGENT_LISTEN_PORT"])
+        node.agent_env = env
         log_path = node.workdir / "agent.log"
         with log_path.open("ab") as out:
-            out.write(f"--- lab: power-on boot done {_now()}, agent on port {port}\n".encode())
+            out.write(f"--- lab: agent {started} {_now()}, on port {port}\n".encode())
             out.flush()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "fleet_agent"],
@@ -853,10 +859,31 @@ class VirtualColo:
         """Where `server`'s agent keeps its weights cache."""
         return self._node(server).workdir / CACHE_DIR_NAME
 
+    def restart_agent(self, server: str, sig: signal.Signals = signal.SIGKILL) -> int:
+        """Kill `server`'s agent (its process group: SIGKILL, a crash) and start it again at
+        once with the same settings; the engines it started run in sessions of their own and
+        are left running, for the new agent to adopt. Returns the new agent's pid."""
+        with self._state_lock:
+            node = self._node(server)
+            proc, env = node.agent, node.agent_env
+            if proc is None or env is None:
+                raise ValueError(f"{server}: no agent running")
+            signal_group(proc.pid, sig)
+            proc.wait(timeout=30)
+            if self._sentinel is not None:
+                self._sentinel.forget(proc.pid)
+            node.agent, node.agent_ref, node.agent_url = None, None, None
+            self._start_agent(node, env)
+            assert node.agent is not None
+            pid = node.agent.pid
+        self._write_state()
+        return pid
+
     def _stop_agent(self, node: _Node) -> None:
         """SIGTERM the agent's group now; `_reap_stopping` SIGKILLs it after the grace."""
         proc = node.agent
         node.agent, node.agent_ref, node.agent_url = None, None, None
+        node.agent_env = None
         if proc is None:
             return
         signal_group(proc.pid, signal.SIGTERM)
