@@ -76,6 +76,20 @@ class AgentSettings(BaseSettings):
     # command is `trtllm-serve` on GPU hosts; hosts without GPUs run the STAND-IN
     # (`python -m fleet_agent.engine.standin`) with the same command line.
     engine_command: str = "trtllm-serve"
+    # A deployment's `engine` picks its program: engine_command is trtllm's; vLLM's and
+    # SGLang's default to their specs' (`vllm`, `python3 -m sglang.launch_server`); the stand-in
+    # speaks each (`python -m fleet_agent.engine.standin.vllm` / `.sglang`).
+    engine_command_vllm: str | None = None
+    engine_command_sglang: str | None = None
+    # Each engine's version is checked (once per command) before its first replica starts; a
+    # version this agent does not drive fails the replicas with one line. Off only for tests.
+    engine_check_version: bool = True
+    engine_version_timeout_s: float = Field(default=60.0, gt=0)
+    # Engines outlive a crashed agent (the restarted one adopts them) but stop by themselves
+    # when no agent has polled them for this long: longer than an agent restart takes (seconds;
+    # a slow host's boot of the agent well under a minute), shorter than GPUs should stay held
+    # by engines nobody supervises. 0: engines are not leashed (they live until killed).
+    engine_leash_bound_s: float = Field(default=300.0, ge=0)
     engine_base_port: int = Field(default=8100, ge=1, le=65000)
     engine_host: str = "127.0.0.1"
     work_dir: Path = Path("fleet-agent")  # engine logs and options files

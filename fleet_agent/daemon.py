@@ -563,6 +563,7 @@ _REPLICA_FIELDS = (
     "port",
     "url",
     "state",
+    "pid",  # the same after an agent restart: the engine was adopted
     "restarts",
     "load_seconds",
     "queued",
@@ -574,7 +575,9 @@ _REPLICA_FIELDS = (
     "ttft_p95_s",
     "e2e_p50_s",
     "e2e_p95_s",
+    "preemptions",
     "version",
+    "engine",
 )
 
 

@@ -72,6 +72,17 @@ def build_supervisor(settings: AgentSettings) -> EngineSupervisor:
     config = SupervisorConfig(
         work_dir=settings.work_dir / "engines",
         engine_command=tuple(shlex.split(settings.engine_command)),
+        engine_commands={
+            engine: tuple(shlex.split(command))
+            for engine, command in (
+                ("vllm", settings.engine_command_vllm),
+                ("sglang", settings.engine_command_sglang),
+            )
+            if command
+        },
+        check_versions=settings.engine_check_version,
+        version_timeout_s=settings.engine_version_timeout_s,
+        leash_bound_s=settings.engine_leash_bound_s or None,  # 0: no leash
         host=settings.engine_host,
         base_port=settings.engine_base_port,
         load_timeout_s=settings.engine_load_timeout_s,
@@ -87,7 +98,12 @@ def _external_weights_env(settings: AgentSettings) -> dict[str, str]:
     """The STAND-IN refuses a checkpoint directory that does not exist, as trtllm-serve
     would; weights Fleet does not fetch (external versions) are delivered by nobody on a host
     without GPUs, so there it serves without them."""
-    if "fleet_agent.engine.standin" not in settings.engine_command:
+    commands = (
+        settings.engine_command,
+        settings.engine_command_vllm or "",
+        settings.engine_command_sglang or "",
+    )
+    if not any("fleet_agent.engine.standin" in command for command in commands):
         return {}
     return {"FLEET_STANDIN_MISSING_WEIGHTS": "ignore"}
 

@@ -1,4 +1,6 @@
-"""EngineSupervisor: one `trtllm-serve` process per replica of the assigned deployment.
+"""EngineSupervisor: one engine process per replica of the assigned deployment, whichever
+engine the deployment names (`engine`: trtllm, vllm, sglang; fleet_core/engines gives each one's
+parameter check, parallelism, command line, config files and health path).
 
 Per replica (its GPUs pinned with CUDA_VISIBLE_DEVICES, port base_port + i, its own process
 group, stdout and stderr appended to work_dir/<deployment>/replica-<i>.log):
@@ -24,8 +26,18 @@ concurrently with http_timeout_s timeouts, so it takes about 3 × http_timeout_s
 is guarded by one lock; HTTP runs outside it. `stop_all()` blocks (SIGTERM, then SIGKILL after
 the grace period, all replicas at once): for shutdown and the end of a drain.
 Stats (fleet_agent/engine/replica_stats.py): the supervisor is the ONLY reader of each engine's
-/metrics and /prometheus/metrics (fleet_agent/engine/engine_metrics.py parses the latter); every
-poll folds both into the replica's figures.
+metrics paths (fleet_agent/engine/scrape: per-engine parsers into one EngineSample); every poll
+folds them into the replica's figures. A layout no parser knows keeps the replica serving, its
+figures unknown and last_error saying "unsupported engine version: ...".
+
+Versions: before an engine kind first starts with a command, its version is asked (no shell,
+version_timeout_s) and checked against the spec's supported range; a refusal fails the replicas
+with that one line (no restart loop), asked once per (engine, command).
+
+Engines survive their agent (records.py, leash.py): each runs under the leash, whose lease file
+every poll touches; a record per replica (pid, start time, port, what it runs) lets the next
+supervisor on the same work_dir adopt a live engine of the same assignment (ready at once, no
+spawn) and retire any other left running; an engine nobody polls for leash_bound_s stops.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,20 +59,27 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-import yaml
 
-from fleet_agent.engine.engine_metrics import PromSnapshot, parse_prometheus
+from fleet_agent.engine import scrape
+from fleet_agent.engine.records import (
+    AdoptedProcess,
+    EngineProcess,
+    EngineRecord,
+    find_records,
+    fingerprint,
+    is_running,
+    process_start_time,
+    read_record,
+    remove_record,
+    write_record,
+)
 from fleet_agent.engine.replica_stats import ReplicaStats, update_stats
+from fleet_core.engines import DEFAULT_ENGINE, EngineSpec, LaunchSpec, spec
 from fleet_core.engines.layout import (
     cuda_visible_devices,
     model_path,
     replica_layout,
     replica_ports,
-)
-from fleet_core.engines.trtllm import (
-    check_engine_params,
-    extra_llm_api_options,
-    trtllm_serve_argv,
 )
 
 log = logging.getLogger("fleet_agent.engine")
@@ -74,7 +94,19 @@ _PROBE_WORKERS = 16
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SupervisorConfig:
     work_dir: Path  # per deployment: the extra-options YAML and one log per replica
-    engine_command: tuple[str, ...] = ("trtllm-serve",)
+    engine_command: tuple[str, ...] = ("trtllm-serve",)  # trtllm's (kept for old settings)
+    # Other engines' commands by engine name ("vllm", "sglang"; "trtllm" overrides the one
+    # above); an engine not named here runs its spec's default_command.
+    engine_commands: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # Before an engine kind first starts with a command, its version is asked (version_argv,
+    # at most version_timeout_s) and checked against what this agent drives.
+    check_versions: bool = True
+    version_timeout_s: float = 60.0
+    # Engines outlive a crashed agent (the next one adopts them, records.py) but not a dead
+    # one: each runs under the leash (leash.py), which stops it when the supervisor has not
+    # touched its lease for leash_bound_s. None: no leash (the engine is the direct child).
+    leash_bound_s: float | None = 300.0
+    python: str = sys.executable  # runs the leash
     host: str = "127.0.0.1"
     base_port: int = 8100
     load_timeout_s: float = 900.0  # large models take minutes to load
@@ -98,11 +130,32 @@ class SupervisorConfig:
     def __post_init__(self) -> None:
         if not self.engine_command:
             raise ValueError("engine_command is empty")
+        for engine, command in self.engine_commands.items():
+            spec(engine)  # ValueError naming the engines there are
+            if not command:
+                raise ValueError(f"engine_commands[{engine!r}] is empty")
         if self.max_consecutive_crashes < 1:
             raise ValueError("max_consecutive_crashes must be at least 1")
-        for name in ("load_timeout_s", "poll_interval_s", "http_timeout_s", "stats_window_s"):
+        for name in (
+            "load_timeout_s",
+            "poll_interval_s",
+            "http_timeout_s",
+            "stats_window_s",
+            "version_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.leash_bound_s is not None and self.leash_bound_s <= 0:
+            raise ValueError("leash_bound_s must be positive (None: no leash)")
+
+    def command(self, engine: str) -> tuple[str, ...]:
+        """The program `engine`'s replicas run: engine_commands, then engine_command for
+        trtllm, then the spec's default_command."""
+        if engine in self.engine_commands:
+            return tuple(self.engine_commands[engine])
+        if engine == "trtllm":
+            return self.engine_command
+        return spec(engine).default_command
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,9 +170,12 @@ class _Replica:
     url: str
     argv: list[str]
     log_path: Path
+    engine: str = DEFAULT_ENGINE
+    command: tuple[str, ...] = ()  # the engine's program (version checked before a spawn)
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # on top of extra_env
+    fingerprint: str = ""  # records.fingerprint of the assignment and argv (set by apply)
     state: State = "starting"
-    proc: subprocess.Popen[bytes] | None = None
+    proc: EngineProcess | None = None  # the leash's (or engine's) process, ours or adopted
     spawned_at: float | None = None
     ready_since: float | None = None
     unhealthy_since: float | None = None
@@ -130,19 +186,27 @@ class _Replica:
     last_error: str | None = None
     stats: ReplicaStats = dataclasses.field(default_factory=ReplicaStats)
 
+    @property
+    def record_path(self) -> Path:
+        return self.log_path.with_name(f"replica-{self.index}.json")
+
+    @property
+    def lease_path(self) -> Path:
+        return self.log_path.with_name(f"replica-{self.index}.lease")
+
 
 @dataclasses.dataclass(frozen=True)
 class _Probe:
     at: float
     health: int | None  # None: refused, timed out, or no HTTP answer
     error: str | None = None
-    entries: list[dict[str, Any]] | None = None
-    prom: PromSnapshot | None = None
+    sample: scrape.EngineSample | None = None
+    unsupported: str | None = None  # the parser knew none of the engine's metrics (one line)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Retiring:
-    proc: subprocess.Popen[bytes]
+    proc: EngineProcess
     kill_at: float
 
 
@@ -163,6 +227,9 @@ class EngineSupervisor:
         self._deployment: str | None = None
         self._version: str | None = None  # the model version key the engines serve
         self._assignment_error: str | None = None
+        self._engine: str | None = None  # the engine the replicas run
+        # (engine, command) -> None when its version is one this agent drives, else why not.
+        self._version_checks: dict[tuple[str, tuple[str, ...]], str | None] = {}
         self._client = httpx.Client(
             timeout=config.http_timeout_s,
             trust_env=False,  # never send 127.0.0.1 probes through an HTTP(S)_PROXY
@@ -186,6 +253,12 @@ class EngineSupervisor:
         one."""
         with self._lock:
             return self._version
+
+    @property
+    def engine(self) -> str | None:
+        """The engine ("trtllm", "vllm", "sglang") the assigned deployment runs."""
+        with self._lock:
+            return self._engine
 
     @property
     def assignment_error(self) -> str | None:
@@ -240,8 +313,10 @@ class EngineSupervisor:
             "ttft_p95_s": s.ttft_p95_s,
             "e2e_p50_s": s.e2e_p50_s,
             "e2e_p95_s": s.e2e_p95_s,
+            "preemptions": s.preemptions,
             "last_error": r.last_error,
             "version": self._version,
+            "engine": r.engine,
         }
 
     # -----------------------------------------------------------------------------------------
@@ -276,7 +351,7 @@ class EngineSupervisor:
                     log.info("assignment none: stopping the engines of %s", self._deployment)
                 self._retire_all()
                 self._identity = self._deployment = self._assignment_error = None
-                self._version = None
+                self._version = self._engine = None
             return
         assert assignment is not None
         assignment = {k: v for k, v in assignment.items() if k not in _CACHE_ONLY}
@@ -286,7 +361,7 @@ class EngineSupervisor:
             try:
                 if kind != "serve":
                     raise ValueError(f"unknown assignment kind {kind!r}")
-                replicas, yaml_text, name = self._plan(assignment, gpus, model_dir)
+                replicas, files, name = self._plan(assignment, gpus, model_dir)
             except ValueError as exc:
                 identity = _identity(assignment, None if gpus is None else sorted(gpus))
                 if identity == self._identity and self._assignment_error is not None:
@@ -304,8 +379,13 @@ class EngineSupervisor:
             self._identity = self._deployment = self._version = None  # until the new one runs
             deploy_dir = replicas[0].log_path.parent
             deploy_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(deploy_dir / "extra-llm-api-options.yaml", yaml_text)
+            for file_name, text in files.items():
+                _write_atomic(deploy_dir / file_name, text)
+            for r in replicas:
+                r.fingerprint = fingerprint(identity, r.argv)
             self._replicas = replicas
+            self._engine = replicas[0].engine if replicas else None
+            self._adopt(self.clock())
             self._identity, self._deployment, self._assignment_error = identity, name, None
             self._version = _version_key(assignment)
             log.info(
@@ -319,13 +399,16 @@ class EngineSupervisor:
 
     def _plan(
         self, assignment: Mapping[str, Any], gpus: Sequence[int] | None, model_dir: Path | None
-    ) -> tuple[list[_Replica], str, str]:
+    ) -> tuple[list[_Replica], dict[str, str], str]:
+        """The replicas of `assignment`, the config files their engine reads (name in the
+        deployment's work dir -> text) and the deployment's name; ValueError when invalid."""
         cfg = self.config
         name = assignment.get("deployment")
         uri = assignment.get("model_uri")
         per_replica = assignment.get("gpus_per_replica")
         wanted = assignment.get("replicas") or 0
         params = assignment.get("engine_params") or {}
+        engine = spec(assignment.get("engine") or DEFAULT_ENGINE)
         if not isinstance(name, str) or not name:
             raise ValueError("assignment.deployment is missing")
         if model_dir is None and (not isinstance(uri, str) or not uri):
@@ -336,11 +419,12 @@ class EngineSupervisor:
             raise ValueError("assignment.replicas must be a non-negative integer")
         if not isinstance(params, Mapping):
             raise ValueError("assignment.engine_params must be a mapping")
-        check_engine_params(params)
-        tp, pp = params.get("tp_size", 1), params.get("pp_size", 1)
+        engine.check_params(params)
+        tp, pp = engine.parallelism(params)
         if tp * pp != per_replica:
+            tp_key, pp_key = engine.parallel_keys
             raise ValueError(
-                f"gpus_per_replica ({per_replica}) must equal tp_size × pp_size ({tp} × {pp})"
+                f"gpus_per_replica ({per_replica}) must equal {tp_key} × {pp_key} ({tp} × {pp})"
             )
         host_gpus = list(gpus) if gpus is not None else list(range(wanted * per_replica))
         layout = replica_layout(host_gpus, per_replica)
@@ -361,24 +445,74 @@ class EngineSupervisor:
             model, env = str(model_dir), {}
         else:
             model, env = str(model_path(root, name, str(uri))), dict(cfg.external_env)
-        options_path = deploy_dir / "extra-llm-api-options.yaml"
-        yaml_text = yaml.safe_dump(extra_llm_api_options(params), sort_keys=True)
+        command = cfg.command(engine.name)
+        files: dict[str, str] = {}
+        replicas: list[_Replica] = []
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-        replicas = [
-            _Replica(
-                index=i,
-                gpus=group,
-                port=port,
-                url=f"http://{host}:{port}",
-                argv=trtllm_serve_argv(
-                    cfg.engine_command, model, params, cfg.host, port, str(options_path)
-                ),
-                log_path=deploy_dir / f"replica-{i}.log",
-                env=env,
+        for i, (group, port) in enumerate(zip(layout, ports, strict=True)):
+            launch = engine.launch(
+                LaunchSpec(
+                    command=command,
+                    model_path=model,
+                    served_names=_served_names(name, assignment),
+                    params=params,
+                    host=cfg.host,
+                    port=port,
+                    config_dir=str(deploy_dir),
+                )
             )
-            for i, (group, port) in enumerate(zip(layout, ports, strict=True))
-        ]
-        return replicas, yaml_text, name
+            files.update(launch.files)  # the same for every replica (ports are on argv)
+            replicas.append(
+                _Replica(
+                    index=i,
+                    gpus=group,
+                    port=port,
+                    url=f"http://{host}:{port}",
+                    argv=launch.argv,
+                    log_path=deploy_dir / f"replica-{i}.log",
+                    engine=engine.name,
+                    command=command,
+                    env=env,
+                )
+            )
+        return replicas, files, name
+
+    def _adopt(self, now: float) -> None:
+        """Take over the engines a previous agent left running (their records in work_dir):
+        one started for this very replica (same assignment, argv and port), alive with the
+        recorded start time and answering its health path, is ready at once; others alive
+        are retired like any old engine; the records of dead ones are removed."""
+        wanted = {r.record_path: r for r in self._replicas}
+        for path in find_records(self.config.work_dir):
+            record = read_record(path)
+            if record is None or not is_running(record.pid, record.start_time):
+                remove_record(path)
+                continue
+            r = wanted.get(path)
+            proc = AdoptedProcess(record.pid, record.start_time)
+            if (
+                r is not None
+                and r.proc is None
+                and record.identity == r.fingerprint
+                and record.port == r.port
+                and self._answers(r)
+            ):
+                _touch(r.lease_path)
+                r.proc, r.state = proc, "ready"
+                r.spawned_at = r.ready_since = now
+                log.info("replica %d: adopted pid %d on port %d", r.index, record.pid, r.port)
+                continue
+            log.info("retiring pid %d left by a previous agent (%s)", record.pid, path)
+            _killpg(record.pid, signal.SIGTERM)
+            self._retiring.append(_Retiring(proc, now + self.config.stop_grace_s))
+            remove_record(path)
+
+    def _answers(self, r: _Replica) -> bool:
+        try:
+            reply = self._client.get(r.url + spec(r.engine).health_path)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
 
     # -----------------------------------------------------------------------------------------
     # one round
@@ -393,9 +527,13 @@ class EngineSupervisor:
                 self._reap_retiring(now)
                 for r in self._replicas:
                     self._check_process(r, now)
+                    if r.proc is not None:
+                        _touch(r.lease_path)  # the leash's sign that the agent lives
                 self._spawn_due(now)
                 targets = [(r, r.proc) for r in self._replicas if r.proc is not None]
-            probes = list(self._pool.map(lambda t: self._probe(t[0].url), targets))
+            probes = list(
+                self._pool.map(lambda t: self._probe(t[0].url, spec(t[0].engine)), targets)
+            )
             with self._lock:
                 for (r, proc), probe in zip(targets, probes, strict=True):
                     if r in self._replicas and r.proc is proc:  # not replaced meanwhile
@@ -432,7 +570,26 @@ class EngineSupervisor:
             return
         for r in self._replicas:
             if r.state in {"starting", "restarting"} and r.proc is None and now >= r.next_start_at:
+                refused = self._check_version(r.engine, r.command)
+                if refused is not None:
+                    r.state, r.last_error = "failed", refused  # no restart loop: it stays wrong
+                    continue
                 self._spawn(r, now)
+
+    def _check_version(self, engine: str, command: tuple[str, ...]) -> str | None:
+        """None when `command` runs a version of `engine` this agent drives, else why not (one
+        line). Asked once per (engine, command); the answer is logged once."""
+        if not self.config.check_versions:
+            return None
+        key = (engine, command)
+        if key not in self._version_checks:
+            refused = _ask_version(spec(engine), command, self.config.version_timeout_s)
+            if refused is None:
+                log.info("engine %s: %s answers a supported version", engine, command[0])
+            else:
+                log.error("engine %s refused: %s", engine, refused)
+            self._version_checks[key] = refused
+        return self._version_checks[key]
 
     def _spawn(self, r: _Replica, now: float) -> None:
         cfg = self.config
@@ -447,14 +604,20 @@ class EngineSupervisor:
         env.update(cfg.extra_env)
         env.update(r.env)
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(r.gpus)
+        argv = r.argv
+        if cfg.leash_bound_s is not None:
+            argv = [cfg.python, "-m", "fleet_agent.engine.leash", "--lease", str(r.lease_path)]
+            argv += ["--bound", f"{cfg.leash_bound_s:g}", "--grace", f"{cfg.stop_grace_s:g}"]
+            argv += ["--", *r.argv]
         try:
             r.log_path.parent.mkdir(parents=True, exist_ok=True)
+            _touch(r.lease_path)
             _rotate(r.log_path)
             with open(r.log_path, "ab") as out:
                 out.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {r.argv}\n".encode())
                 out.flush()
-                r.proc = subprocess.Popen(
-                    r.argv,
+                proc = r.proc = subprocess.Popen(
+                    argv,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -463,8 +626,24 @@ class EngineSupervisor:
                     start_new_session=True,  # its own process group: MPI ranks go with it
                 )
         except OSError as exc:
-            self._crashed(r, now, f"cannot start {r.argv[0]}: {exc}")
+            self._crashed(r, now, f"cannot start {argv[0]}: {exc}")
             return
+        started = process_start_time(proc.pid)
+        if started is not None:  # None: it is gone already; the next poll sees the exit
+            record = EngineRecord(
+                pid=proc.pid,
+                start_time=started,
+                port=r.port,
+                index=r.index,
+                deployment=r.log_path.parent.name,
+                engine=r.engine,
+                version=self._version,
+                identity=r.fingerprint,
+            )
+            try:
+                write_record(r.record_path, record)
+            except OSError as exc:  # the engine serves; only adoption after a crash is lost
+                log.warning("replica %d: cannot write its record: %s", r.index, exc)
         r.state, r.spawned_at, r.ready_since, r.unhealthy_since = "loading", now, None, None
         log.info(
             "replica %d: started pid %d on GPUs %s, port %d", r.index, r.proc.pid, r.gpus, r.port
@@ -475,6 +654,7 @@ class EngineSupervisor:
         if r.proc is not None:
             _killpg(r.proc.pid, signal.SIGKILL)  # ranks the leader left behind
         r.proc = None
+        remove_record(r.record_path)
         r.crashes += 1
         r.last_error = error[:1000]
         r.stats = ReplicaStats()
@@ -493,32 +673,33 @@ class EngineSupervisor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 r.proc.wait(timeout=1.0)
 
-    def _probe(self, url: str) -> _Probe:
-        """GET /health; when 200, also /metrics and /prometheus/metrics. No lock held."""
+    def _probe(self, url: str, engine: EngineSpec) -> _Probe:
+        """GET the engine's health path; when 200, also its metrics paths, parsed into one
+        EngineSample. No lock held."""
         try:
-            health = self._client.get(url + "/health").status_code
+            health = self._client.get(url + engine.health_path).status_code
         except httpx.HTTPError as exc:
-            return _Probe(self.clock(), None, f"/health: {type(exc).__name__}: {exc}")
+            return _Probe(self.clock(), None, f"{engine.health_path}: {type(exc).__name__}: {exc}")
         at = self.clock()  # load time ends at the first 200, not after the scrapes
         if health != 200:
-            return _Probe(at, health, f"/health answered {health}")
+            return _Probe(at, health, f"{engine.health_path} answered {health}")
         errors: list[str] = []
-        entries: list[dict[str, Any]] | None = None
-        prom: PromSnapshot | None = None
+        texts: dict[str, str] = {}
+        for path in scrape.metrics_paths(engine.name):
+            try:
+                reply = self._client.get(url + path)
+                reply.raise_for_status()
+                texts[path] = reply.text
+            except httpx.HTTPError as exc:
+                errors.append(f"{path}: {exc}")
         try:
-            reply = self._client.get(url + "/metrics")
-            reply.raise_for_status()
-            data = reply.json()
-            entries = [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
-        except (httpx.HTTPError, ValueError) as exc:
-            errors.append(f"/metrics: {exc}")
-        try:
-            reply = self._client.get(url + "/prometheus/metrics")
-            reply.raise_for_status()
-            prom = parse_prometheus(reply.text)
-        except (httpx.HTTPError, ValueError) as exc:
-            errors.append(f"/prometheus/metrics: {exc}")
-        return _Probe(at, 200, "; ".join(errors) or None, entries, prom)
+            sample = scrape.parse(engine.name, texts)
+        except scrape.UnsupportedEngineVersion as exc:
+            return _Probe(at, 200, "; ".join(errors) or None, None, str(exc).splitlines()[0])
+        except ValueError as exc:  # a text that does not parse: this poll reads nothing
+            errors.append(f"metrics: {exc}")
+            sample = None
+        return _Probe(at, 200, "; ".join(errors) or None, sample)
 
     def _observe(self, r: _Replica, probe: _Probe) -> None:
         cfg = self.config
@@ -545,7 +726,13 @@ class EngineSupervisor:
             r.crashes = 0
         if probe.error:
             log.debug("replica %d: %s", r.index, probe.error)
-        update_stats(r.stats, probe.at, probe.entries, probe.prom, cfg.stats_window_s)
+        if probe.unsupported is not None:
+            if r.last_error != probe.unsupported:
+                log.error("replica %d: %s", r.index, probe.unsupported)
+            r.last_error = probe.unsupported  # it serves; its load figures are unknown
+        elif r.last_error is not None and r.last_error.startswith("unsupported engine version"):
+            r.last_error = None
+        update_stats(r.stats, probe.at, probe.sample, cfg.stats_window_s)
 
     # -----------------------------------------------------------------------------------------
     # stopping
@@ -558,6 +745,7 @@ class EngineSupervisor:
                 _killpg(r.proc.pid, signal.SIGTERM)
                 self._retiring.append(_Retiring(r.proc, kill_at))
                 r.proc = None
+            remove_record(r.record_path)
             r.state = "stopping"
         self._replicas = []
 
@@ -583,9 +771,11 @@ class EngineSupervisor:
                 r.state = "stopping"
             procs = [r.proc for r in self._replicas if r.proc is not None]
             procs += [old.proc for old in self._retiring]
+            for r in self._replicas:
+                remove_record(r.record_path)
             self._replicas, self._retiring = [], []
             self._identity = self._deployment = self._assignment_error = None
-            self._version = None
+            self._version = self._engine = None
         _terminate(procs, grace)
 
     # -----------------------------------------------------------------------------------------
@@ -634,6 +824,39 @@ def _version_key(assignment: Mapping[str, Any]) -> str | None:
     return key if isinstance(key, str) and key else None
 
 
+def _served_names(deployment: str, assignment: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names clients send as "model": the deployment's, and the served model's (the
+    version's model name, else the basename of model_uri), once each."""
+    model = assignment.get("model")
+    served = model.get("model") if isinstance(model, Mapping) else None
+    if not isinstance(served, str) or not served:
+        uri = assignment.get("model_uri")
+        served = uri.rstrip("/").rsplit("/", 1)[-1] if isinstance(uri, str) else None
+    names = [deployment] + ([served] if served else [])
+    return tuple(dict.fromkeys(names))
+
+
+def _ask_version(engine: EngineSpec, command: Sequence[str], timeout_s: float) -> str | None:
+    """Run engine.version_argv(command) (no shell) and check what it printed: None when this
+    agent drives that version, else one line saying why not."""
+    argv = engine.version_argv(command)
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{engine.program}: cannot ask its version ({argv[0]}): {exc}"
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout).strip().splitlines()
+        tail = f": {last[-1][:200]}" if last else ""
+        return f"{engine.program}: {' '.join(argv)[:200]} exited with {done.returncode}{tail}"
+    try:
+        engine.check_version(done.stdout if done.stdout.strip() else done.stderr)
+    except ValueError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
 def _identity(assignment: Mapping[str, Any], layout: Any) -> str:
     return json.dumps(
         {"assignment": dict(assignment), "layout": layout}, sort_keys=True, default=repr
@@ -650,7 +873,7 @@ def _killpg(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
 
 
-def _terminate(procs: Iterable[subprocess.Popen[bytes]], grace_s: float) -> None:
+def _terminate(procs: Iterable[EngineProcess], grace_s: float) -> None:
     """SIGTERM all at once; SIGKILL whatever still runs at the shared deadline."""
     procs = list(procs)
     for proc in procs:
@@ -696,6 +919,11 @@ def _rotate(path: Path) -> None:
     with contextlib.suppress(OSError):
         if path.stat().st_size > _LOG_MAX_BYTES:
             os.replace(path, path.with_name(path.name + ".1"))
+
+
+def _touch(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.touch()
 
 
 def _write_atomic(path: Path, text: str) -> None:

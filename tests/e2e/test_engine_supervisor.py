@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from procs import alive
@@ -38,16 +39,21 @@ FAKE_ENGINE = textwrap.dedent(
     def flag(name, default=None):
         return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
+    if "--version" in sys.argv:  # the version check: VERSION beside this script, else 1.1.0
+        beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), "VERSION")
+        print("fake engine", open(beside).read().strip() if os.path.exists(beside) else "1.1.0")
+        sys.exit(0)
     host, port = flag("--host"), int(flag("--port"))
+    dialect = os.environ.get("FAKE_DIALECT", "trtllm")  # vllm: Prometheus text at /metrics
     control = os.environ["FAKE_ENGINE_DIR"]
     mode = os.environ.get("FAKE_MODE", "ok")
     load_s = 3600.0 if mode == "never_ready" else float(os.environ.get("FAKE_LOAD_S", "0.3"))
     warm_s = float(os.environ.get("FAKE_WARM_S", "0.2"))
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     info = {
-        "pid": os.getpid(), "child": child.pid, "argv": sys.argv[1:],
+        "pid": os.getpid(), "ppid": os.getppid(), "child": child.pid, "argv": sys.argv[1:],
         "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "options": open(flag("--extra_llm_api_options")).read(),
+        "options": open(flag("--extra_llm_api_options")).read() if dialect == "trtllm" else None,
         "agent_token": os.environ.get("FLEET_AGENT_TOKEN"),
         "external": os.environ.get("EXTERNAL_ONLY"),
     }
@@ -119,6 +125,11 @@ FAKE_ENGINE = textwrap.dedent(
             if self.path == "/health":
                 sick = os.path.exists(os.path.join(control, "sick"))
                 self.reply(200 if time.monotonic() >= ready_at and not sick else 503)
+            elif self.path == "/metrics" and dialect == "vllm":
+                self.reply(200, b"# TYPE vllm:num_requests_running gauge\n"
+                           b"vllm:num_requests_running 3\n"
+                           b"# TYPE vllm:num_preemptions_total counter\n"
+                           b"vllm:num_preemptions_total 7\n")
             elif self.path == "/metrics":  # new entries, forgotten once read
                 entries = []
                 if not idle():
@@ -241,6 +252,7 @@ class Harness:
             "max_consecutive_crashes": 3,
             "stop_grace_s": 3.0,
             "poll_interval_s": 0.05,
+            "leash_bound_s": None,  # the engine is the direct child (leash tests set it)
             **overrides,
         }
         config = SupervisorConfig(
@@ -593,3 +605,190 @@ def test_switch_waits_for_old_engines_and_stop_all_escalates(harness: Harness) -
     elapsed = time.monotonic() - started
     assert 0.5 <= elapsed < 4.0, elapsed
     _wait_gone(pids, timeout=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# engines other than trtllm, and the version check
+
+
+def _vllm_assignment(**params: Any) -> dict[str, Any]:
+    return {
+        **ASSIGNMENT,
+        "engine": "vllm",
+        "engine_params": {"tensor_parallel_size": 2, **params},
+        "gpus_per_replica": 2,
+        "replicas": 1,
+        "model": {"model": "llama-3.1-8b-instruct", "key": "llama-3.1-8b-instruct@v1"},
+    }
+
+
+def test_vllm_replica_runs_its_own_command_and_reads_its_metrics(harness: Harness) -> None:
+    fake = (sys.executable, str(harness.script))
+    sup = harness.supervisor(
+        1, engine_commands={"vllm": fake}, env={"FAKE_DIALECT": "vllm", "FAKE_LOAD_S": "0.1"}
+    )
+    (harness.script.parent / "VERSION").write_text("0.11.0\n")
+    sup.apply(_vllm_assignment(), gpus=range(2))
+    _wait(sup, lambda: sup.ready and _stats(sup)[0]["running"] == 3, what="vllm ready")
+    [info] = _infos(harness.control)
+    port = str(sup.config.base_port)
+    # `vllm serve MODEL ...`, both served names (deployment, model), priority scheduling on.
+    assert info["argv"][:2] == [
+        "serve",
+        str(harness.tmp_path / "work/models/llama-8b/llama-3.1-8b"),
+    ]
+    assert info["argv"][2:] == [
+        "--host", "127.0.0.1", "--port", port,
+        "--served-model-name", "llama-8b", "llama-3.1-8b-instruct",
+        "--tensor-parallel-size", "2",
+        "--scheduling-policy", "priority",
+    ]  # fmt: skip
+    assert info["cuda"] == "0,1"
+    [stats] = _stats(sup)
+    assert (stats["engine"], stats["preemptions"], stats["last_error"]) == ("vllm", 7, None)
+    assert sup.engine == "vllm"
+    assert not list((harness.tmp_path / "work" / "llama-8b").glob("*.yaml"))  # trtllm's only
+
+
+def test_sglang_argv_and_served_name_deduplicated(harness: Harness) -> None:
+    fake = (sys.executable, str(harness.script))
+    env = {"FAKE_DIALECT": "sglang", "FAKE_LOAD_S": "0.1"}
+    sup = harness.supervisor(1, engine_commands={"sglang": fake}, env=env)
+    (harness.script.parent / "VERSION").write_text("0.5.4\n")
+    assignment = {
+        **ASSIGNMENT,
+        "engine": "sglang",
+        "deployment": "llama-3.1-8b",  # the same as model_uri's basename: one served name
+        "engine_params": {"tp_size": 1},
+        "gpus_per_replica": 1,
+        "replicas": 1,
+    }
+    sup.apply(assignment, gpus=[3])
+    _wait(sup, lambda: bool(_infos(harness.control)), what="sglang started")
+    [info] = _infos(harness.control)
+    model = str(harness.tmp_path / "work/models/llama-3.1-8b/llama-3.1-8b")
+    assert info["argv"] == [
+        "--model-path", model, "--host", "127.0.0.1", "--port", str(sup.config.base_port),
+        "--enable-metrics", "--served-model-name", "llama-3.1-8b",
+        "--enable-priority-scheduling", "--schedule-low-priority-values-first",
+        "--tp-size", "1",
+    ]  # fmt: skip
+    assert info["cuda"] == "3"
+
+
+def test_engine_params_checked_by_the_deployments_engine(harness: Harness) -> None:
+    sup = harness.supervisor(1)
+    with pytest.raises(ValueError, match="tp_size"):  # trtllm's name, not vLLM's
+        sup.apply({**_vllm_assignment(), "engine_params": {"tp_size": 2}}, gpus=range(2))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size × pipeline_parallel_size \(1 × 1"):
+        sup.apply({**_vllm_assignment(), "engine_params": {}}, gpus=range(2))
+    with pytest.raises(ValueError, match="engine 'triton'"):
+        sup.apply({**ASSIGNMENT, "engine": "triton"}, gpus=range(8))
+
+
+def test_unsupported_version_fails_the_replicas_once(harness: Harness) -> None:
+    sup = harness.supervisor(2)
+    (harness.script.parent / "VERSION").write_text("0.17.0\n")  # trtllm before 1.0
+    sup.apply(_assignment(2), gpus=range(4))
+    for _ in range(5):
+        sup.poll()
+    stats = _stats(sup)
+    assert [r["state"] for r in stats] == ["failed", "failed"]
+    assert stats[0]["last_error"] == (
+        "trtllm-serve 0.17.0 is installed; this agent drives trtllm >=1.0,<1.3 "
+        "(pip install 'fleet[gpu-trtllm]')"
+    )
+    assert _infos(harness.control) == []  # nothing was started
+    assert len(sup._version_checks) == 1  # asked once for both replicas and every poll
+
+    # A command that cannot answer at all: the same, with why.
+    mute = (sys.executable, "-c", "raise SystemExit(4)")
+    other = harness.supervisor(1, engine_commands={"trtllm": mute})
+    other.apply(_assignment(1), gpus=range(2))
+    [stat] = _stats(other)
+    assert stat["state"] == "failed"
+    assert "exited with 4" in stat["last_error"] and "\n" not in stat["last_error"]
+
+
+def test_unknown_metrics_layout_keeps_serving_and_says_so(harness: Harness) -> None:
+    # A vLLM deployment whose engine answers trtllm's JSON at /metrics: not zeros, one line.
+    fake = (sys.executable, str(harness.script))
+    env = {"FAKE_DIALECT": "json", "FAKE_LOAD_S": "0.1"}
+    sup = harness.supervisor(1, engine_commands={"vllm": fake}, env=env)
+    (harness.script.parent / "VERSION").write_text("0.11.0\n")
+    sup.apply(_vllm_assignment(), gpus=range(2))
+    _wait(sup, lambda: sup.ready and _stats(sup)[0]["last_error"] is not None, what="ready")
+    [stats] = _stats(sup)
+    assert stats["state"] == "ready"
+    assert stats["last_error"].startswith("unsupported engine version: vllm /metrics has none")
+    assert stats["running"] is None and stats["queued"] is None
+
+
+def test_each_engines_command_from_the_agents_settings(tmp_path: Path) -> None:
+    from pydantic import SecretStr
+
+    from fleet_agent.config import AgentSettings
+    from fleet_agent.main import build_supervisor
+
+    settings = AgentSettings(
+        server="gpu-1",
+        token=SecretStr("flt_test"),
+        work_dir=tmp_path,
+        engine_command="/py -m fleet_agent.engine.standin",
+        engine_command_vllm="/py -m fleet_agent.engine.standin.vllm",
+        engine_leash_bound_s=0,
+    )
+    sup = build_supervisor(settings)
+    try:
+        config = sup.config
+        assert config.command("trtllm") == ("/py", "-m", "fleet_agent.engine.standin")
+        assert config.command("vllm") == ("/py", "-m", "fleet_agent.engine.standin.vllm")
+        assert config.command("sglang") == ("python3", "-m", "sglang.launch_server")  # default
+        assert config.check_versions and config.leash_bound_s is None
+    finally:
+        sup.close()
+    assert AgentSettings(server="a", token=SecretStr("flt_x")).engine_leash_bound_s == 300.0
+    with pytest.raises(ValueError, match="engine 'triton'"):
+        SupervisorConfig(work_dir=tmp_path, engine_commands={"triton": ("x",)})
+
+
+@pytest.mark.parametrize(
+    ("engine", "module", "params"),
+    [
+        ("vllm", "fleet_agent.engine.standin.vllm", {"tensor_parallel_size": 1}),
+        ("sglang", "fleet_agent.engine.standin.sglang", {"tp_size": 1}),
+    ],
+)
+def test_each_engines_stand_in_serves_and_reports_stats(
+    tmp_path: Path, engine: str, module: str, params: dict[str, Any]
+) -> None:
+    config = SupervisorConfig(
+        work_dir=tmp_path / "work",
+        engine_commands={engine: (sys.executable, "-m", module)},  # its version is checked
+        base_port=_free_base_port(1),
+        poll_interval_s=0.1,
+        stop_grace_s=5.0,
+        extra_env={
+            "FLEET_STANDIN_GPU": "H100",
+            "FLEET_STANDIN_LOAD_S": "0.2",
+            "FLEET_STANDIN_MISSING_WEIGHTS": "ignore",
+        },
+    )
+    assignment = {
+        **ASSIGNMENT,
+        "engine": engine,
+        "engine_params": params,
+        "gpus_per_replica": 1,
+        "replicas": 1,
+    }
+    with EngineSupervisor(config) as sup:
+        sup.apply(assignment, gpus=[0])
+        _wait(sup, lambda: sup.ready, timeout=30.0, what=f"{engine} ready")
+        [replica] = sup.replica_stats()
+        body = {"model": "llama-8b", "prompt": "hello", "max_tokens": 4}
+        with httpx.Client(timeout=30) as client:
+            assert client.post(f"{replica['url']}/v1/completions", json=body).status_code == 200
+        _wait(sup, lambda: sup.replica_stats()[0]["running"] is not None, what="stats")
+        [replica] = sup.replica_stats()
+        assert replica["engine"] == engine and replica["last_error"] is None
+        assert replica["preemptions"] == 0 and replica["kv_used_fraction"] is not None
