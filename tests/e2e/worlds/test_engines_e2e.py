@@ -71,12 +71,7 @@ wait_for = partial(_wait_for, every=0.25)
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     base = tmp_path_factory.mktemp("engines")
     inventory = ipmi_inventory(SITE, RACK, SERVERS, "H100", 1)
-    with colo_world(
-        base, inventory, SERVICE_SETTINGS, boot_delay_s=0.5, agent_env=AGENT_ENV
-    ) as w:
-        # The autopilot would scale the idle deployments back to their floor meanwhile.
-        paused = w.fleetctl("autopilot", "pause", "--reason", "engines e2e")
-        assert paused.exit_code == 0, paused.output
+    with colo_world(base, inventory, SERVICE_SETTINGS, boot_delay_s=0.5, agent_env=AGENT_ENV) as w:
         yield w
 
 
@@ -84,7 +79,8 @@ def create(world: World, name: str, *engine: str) -> Any:
     return world.fleetctl(
         *("deployments", "create", name, "--model-uri", MODEL_URI, "--checksum", "sha256:1"),
         *("--sla-p95-ms", "60000", "--sla-ttft-ms", "60000", "--gpu-model", "H100"),
-        *("--max", "2", *[a for value in engine for a in ("--engine", value)]),
+        # One replica each, held there by the autoscaler (min 1): it boots it, too.
+        *("--min", "1", "--max", "1", *[a for value in engine for a in ("--engine", value)]),
         *("-o", "json"),
     )
 
@@ -147,13 +143,11 @@ def test_one_fleet_three_engines_one_router_and_engines_outlive_their_agent(
     gone = world.api.request("GET", "/deployments/bad-sgl")
     assert gone.status_code == 404, gone.text
 
-    # 2. One deployment per engine, each on a spare of its own.
+    # 2. One deployment per engine, each booted on a spare of its own by the autoscaler.
     for name, (engine, limit) in DEPLOYMENTS.items():
         made = create(world, name, engine, limit)
         assert made.exit_code == 0, made.output
         assert json.loads(made.stdout)["engine"] == engine
-        booted = world.api("POST", "/spares/boot", json={"deployment": name, "count": 1})
-        assert len(booted["booted"]) == 1, booted
     wait_for(
         "every deployment serving",
         lambda: set(world.states().values()) == {"serving"},
