@@ -14,7 +14,6 @@ from fleet_core.engines.base import (
     check_int,
 )
 
-
 _CONTROLS = "\\u0000-\\u001f\\u007f-\\u009f"
 
 

@@ -413,9 +413,7 @@ def test_deployments_create_with_engine_params(fleetctl: Fleetctl) -> None:
 
     base = ["deployments", "create", "d2", "--model-uri", "s3://x", "--checksum", "c"]
     base += ["--sla-p95-ms", "1", "--sla-ttft-ms", "1"]
-    one_line_error(
-        fleetctl(*base, "--engine", "novalue"), "--engine 'novalue': expected an engine"
-    )
+    one_line_error(fleetctl(*base, "--engine", "novalue"), "--engine 'novalue': expected an engine")
     one_line_error(fleetctl(*base, "--engine", "tp_size=4"), "tp_size × pp_size")
     # An option the engine does not have is refused, named, with the engine.
     one_line_error(
