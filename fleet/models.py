@@ -847,6 +847,15 @@ def _engine_params_schema() -> dict[str, Any]:
 EngineParams = Annotated[
     dict[str, Any], AfterValidator(_valid_engine_params), WithJsonSchema(_engine_params_schema())
 ]
+# The options of trtllm-serve alone: an inventory file's `engine:` mapping (before engines).
+TrtllmParams = Annotated[
+    dict[str, Any],
+    AfterValidator(_valid_engine_params),
+    WithJsonSchema(
+        engine_spec("trtllm").params_schema()
+        | {"description": "trtllm-serve's options (files from before engines)"}
+    ),
+]
 OptEngineParams = Annotated[
     dict[str, Any] | None,
     AfterValidator(_valid_engine_params),

@@ -582,8 +582,21 @@ _REPLICA_FIELDS = (
 
 
 def _replica_report(stats: dict[str, Any]) -> ReplicaStatus:
-    """The supervisor's stats of one replica, as the report carries them (the rest stays local)."""
-    return ReplicaStatus.model_validate({key: stats.get(key) for key in _REPLICA_FIELDS})
+    """The supervisor's stats of one replica, as the report carries them (the rest stays local).
+    A figure the report cannot carry (an engine's odd value) is left out, not the heartbeat."""
+    fields = {key: stats.get(key) for key in _REPLICA_FIELDS}
+    try:
+        return ReplicaStatus.model_validate(fields)
+    except ValidationError as exc:
+        bad = {str(error["loc"][0]) for error in exc.errors() if error["loc"]}
+        log.warning("replica %s: left out of the report: %s", stats.get("index"), sorted(bad))
+        return ReplicaStatus.model_validate(
+            {k: v for k, v in fields.items() if k not in bad or k in _REQUIRED_REPLICA_FIELDS}
+        )
+
+
+# Without these a replica cannot be reported at all.
+_REQUIRED_REPLICA_FIELDS = frozenset({"index", "state"})
 
 
 def _seen(event: XidEvent, known: tuple[XidEvent, ...]) -> bool:

@@ -44,6 +44,7 @@ from fleet.models import (
     Phase,
     Pool,
     RackStatus,
+    TrtllmParams,
 )
 from fleet.validation import SSH_FINGERPRINT_PATTERN, error_messages
 from fleet_core.engines import EngineName
@@ -230,7 +231,7 @@ class DeploymentIn(_Strict):
     # The engine (fleet_core/engines: trtllm, vllm, sglang) and its options, named after its
     # flags, checked as the agent checks them. A mapping under `engine` (files from before
     # engines) is trtllm-serve's options.
-    engine: EngineName | EngineParams = "trtllm"
+    engine: EngineName | TrtllmParams = "trtllm"
     engine_params: EngineParams | None = None
     gpus_per_replica: Int = Field(default=1, ge=1, le=64)
     gpu_models: GpuModelNames = Field(default_factory=list)

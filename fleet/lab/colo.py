@@ -792,7 +792,7 @@ class VirtualColo:
     def _start_agent(self, node: _Node, env: dict[str, str] | None = None) -> None:
         if node.token is None:
             node.token = self._token_for(node.name)
-        started = "restarted" if env is not None else "started on power-on boot"
+        started = "restarted" if env is not None else "started: power-on boot done"
         if env is None:
             env = self._agent_env(node, node.token, free_port())
         port = int(env["FLEET_AGENT_LISTEN_PORT"])

@@ -38,15 +38,25 @@ def parse_prometheus(text: str) -> PromSnapshot:
             for sample in family.samples:
                 if sample.name == family.name + "_bucket" and "le" in sample.labels:
                     le = float(sample.labels["le"])  # "+Inf" -> inf
-                    buckets[le] = buckets.get(le, 0.0) + float(sample.value)
+                    if _sane(sample.value):
+                        buckets[le] = buckets.get(le, 0.0) + float(sample.value)
         elif family.type == "counter":
             for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    counters[sample.name] = counters.get(sample.name, 0.0) + float(sample.value)
+                if sample.name.endswith("_total") and _sane(sample.value):
+                    counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
         elif family.type in {"gauge", "untyped", "unknown"}:
             values = gauges.setdefault(family.name, [])
-            values.extend(float(s.value) for s in family.samples if s.name == family.name)
+            values.extend(
+                float(s.value) for s in family.samples if s.name == family.name and _sane(s.value)
+            )
     return PromSnapshot(gauges, counters, histograms)
+
+
+def _sane(value: float) -> bool:
+    """A value the figures can use: finite and not negative (no gauge, counter or bucket the
+    agent reads can be below 0; NaN or ±Inf from a broken engine would poison every window and,
+    reported, make the fleet refuse the whole heartbeat)."""
+    return math.isfinite(value) and value >= 0
 
 
 def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 
 def lease_age(path: str, now: float, started: float) -> float:
@@ -48,10 +49,30 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> Any:
+    """A preexec_fn: SIGTERM the child when its parent (this leash) dies, however it dies
+    (Linux's PR_SET_PDEATHSIG); at once if the parent is already gone."""
+
+    def arm() -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     started = time.time()
-    engine = subprocess.Popen(args.command)  # inherits our group, stdio, env and cwd
+    # Inherits our group, stdio, env and cwd; and dies with us: a leash SIGKILLed must not
+    # leave its engine running with no watchdog (the next agent would find its port taken).
+    engine = subprocess.Popen(args.command, preexec_fn=_die_with_parent(os.getpid()))
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if engine.poll() is None:

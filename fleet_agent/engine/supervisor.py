@@ -570,26 +570,33 @@ class EngineSupervisor:
             return
         for r in self._replicas:
             if r.state in {"starting", "restarting"} and r.proc is None and now >= r.next_start_at:
-                refused = self._check_version(r.engine, r.command)
-                if refused is not None:
+                refused, definitive = self._check_version(r.engine, r.command)
+                if refused is not None and definitive:
                     r.state, r.last_error = "failed", refused  # no restart loop: it stays wrong
+                    continue
+                if refused is not None:  # could not ask (slow, missing): asked again later
+                    self._crashed(r, now, refused)
                     continue
                 self._spawn(r, now)
 
-    def _check_version(self, engine: str, command: tuple[str, ...]) -> str | None:
-        """None when `command` runs a version of `engine` this agent drives, else why not (one
-        line). Asked once per (engine, command); the answer is logged once."""
+    def _check_version(self, engine: str, command: tuple[str, ...]) -> tuple[str | None, bool]:
+        """(None, True) when `command` runs a version of `engine` this agent drives, else (why
+        not in one line, definitive). A version it does not drive is definitive: remembered per
+        (engine, command) and logged once. A question that got no answer (a timeout, a missing
+        program, a failing command) is not: the replica backs off and asks again."""
         if not self.config.check_versions:
-            return None
+            return None, True
         key = (engine, command)
-        if key not in self._version_checks:
-            refused = _ask_version(spec(engine), command, self.config.version_timeout_s)
-            if refused is None:
-                log.info("engine %s: %s answers a supported version", engine, command[0])
-            else:
-                log.error("engine %s refused: %s", engine, refused)
+        if key in self._version_checks:
+            return self._version_checks[key], True
+        refused, definitive = _ask_version(spec(engine), command, self.config.version_timeout_s)
+        if refused is None:
+            log.info("engine %s: %s answers a supported version", engine, command[0])
+        else:
+            log.error("engine %s refused: %s", engine, refused)
+        if definitive:
             self._version_checks[key] = refused
-        return self._version_checks[key]
+        return refused, definitive
 
     def _spawn(self, r: _Replica, now: float) -> None:
         cfg = self.config
@@ -696,8 +703,8 @@ class EngineSupervisor:
             sample = scrape.parse(engine.name, texts)
         except scrape.UnsupportedEngineVersion as exc:
             return _Probe(at, 200, "; ".join(errors) or None, None, str(exc).splitlines()[0])
-        except ValueError as exc:  # a text that does not parse: this poll reads nothing
-            errors.append(f"metrics: {exc}")
+        except (ValueError, ArithmeticError) as exc:  # a text it cannot read: this poll
+            errors.append(f"metrics: {exc}")  # reads nothing
             sample = None
         return _Probe(at, 200, "; ".join(errors) or None, sample)
 
@@ -836,25 +843,29 @@ def _served_names(deployment: str, assignment: Mapping[str, Any]) -> tuple[str, 
     return tuple(dict.fromkeys(names))
 
 
-def _ask_version(engine: EngineSpec, command: Sequence[str], timeout_s: float) -> str | None:
-    """Run engine.version_argv(command) (no shell) and check what it printed: None when this
-    agent drives that version, else one line saying why not."""
+def _ask_version(
+    engine: EngineSpec, command: Sequence[str], timeout_s: float
+) -> tuple[str | None, bool]:
+    """Run engine.version_argv(command) (no shell) and check what it printed: (None, True) when
+    this agent drives that version, else (one line saying why not, whether that is final: a
+    version it does not drive is; a command that gave no answer is not)."""
     argv = engine.version_argv(command)
     try:
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
         )
     except (OSError, subprocess.SubprocessError) as exc:
-        return f"{engine.program}: cannot ask its version ({argv[0]}): {exc}"
+        return f"{engine.program}: cannot ask its version ({argv[0]}): {exc}", False
     if done.returncode != 0:
         last = (done.stderr or done.stdout).strip().splitlines()
         tail = f": {last[-1][:200]}" if last else ""
-        return f"{engine.program}: {' '.join(argv)[:200]} exited with {done.returncode}{tail}"
+        why = f"{engine.program}: {' '.join(argv)[:200]} exited with {done.returncode}{tail}"
+        return why, False
     try:
         engine.check_version(done.stdout if done.stdout.strip() else done.stderr)
     except ValueError as exc:
-        return str(exc).splitlines()[0]
-    return None
+        return str(exc).splitlines()[0], True
+    return None, True
 
 
 def _identity(assignment: Mapping[str, Any], layout: Any) -> str:

@@ -172,7 +172,7 @@ def check_engine_params(params: Mapping[str, Any]) -> None:
 
 def _uses_torch_args(params: Mapping[str, Any]) -> bool:
     # No backend flag: trtllm-serve's default, pytorch in every release this agent supports.
-    return params.get("backend", "pytorch") in {"pytorch", "_autodeploy"}
+    return (params.get("backend") or "pytorch") in {"pytorch", "_autodeploy"}
 
 
 def extra_llm_api_options(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -224,7 +224,7 @@ def trtllm_serve_argv(
     if not 1 <= port <= 65535:
         raise ValueError(f"port {port} is out of range")
     argv = [*engine_command, model_path, HOST_FLAG, host, PORT_FLAG, str(port)]
-    if "backend" in params:
+    if params.get("backend") is not None:  # null: trtllm-serve's default, as when absent
         argv += [BACKEND_FLAG, str(params["backend"])]
     for key, flag in INT_FLAGS.items():
         if params.get(key) is not None:

@@ -105,7 +105,8 @@ class VllmEngine(EngineSpec):
         check_served_names(spec.served_names)
         params = dict(spec.params)
         # The router's class reaches the engine (priority_fields) only under this policy.
-        params.setdefault(POLICY_KEY, "priority")
+        if params.get(POLICY_KEY) is None:  # absent or null: priority (not vLLM's fcfs)
+            params[POLICY_KEY] = "priority"
         argv = [*spec.command, "serve", spec.model_path, "--host", spec.host]
         argv += ["--port", str(spec.port)]
         if spec.served_names:

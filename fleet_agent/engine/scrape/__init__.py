@@ -5,6 +5,8 @@ of the families a parser reads raises UnsupportedEngineVersion, never zeros.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Mapping
 
 from fleet_agent.engine.scrape import sglang, trtllm, vllm
@@ -25,8 +27,21 @@ def metrics_paths(engine: str) -> tuple[str, ...]:
 
 
 def parse(engine: str, texts: Mapping[str, str]) -> EngineSample:
-    """`texts`: path -> body for the paths that answered; raises UnsupportedEngineVersion."""
-    return _parser(engine)[1](texts)
+    """`texts`: path -> body for the paths that answered; raises UnsupportedEngineVersion.
+    Fractions are clamped to [0, 1]: an engine's rounding (or bug) must not make the whole
+    heartbeat invalid."""
+    sample = _parser(engine)[1](texts)
+    return dataclasses.replace(
+        sample,
+        kv_used_fraction=_fraction(sample.kv_used_fraction),
+        prefix_hit_rate=_fraction(sample.prefix_hit_rate),
+    )
+
+
+def _fraction(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value) or value < 0:
+        return None
+    return min(value, 1.0)
 
 
 def _parser(
