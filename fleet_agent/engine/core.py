@@ -453,6 +453,12 @@ class EngineCore:
             if not r.started:
                 self._lookup_prefix(r)
             chunk = self._context_chunk(r, budget)
+            if chunk <= 0 and not decoding and not context:
+                # Alone and still too long for the token budget: only a preempted request,
+                # whose recompute (prompt + what it wrote) outgrew max_num_tokens, gets here
+                # (a new prompt that long is refused on arrival). It runs whole, as vLLM needs
+                # max_num_batched_tokens ≥ max_model_len without chunked prefill.
+                chunk = r.context_tokens - r.computed
             if chunk <= 0:
                 break
             context.append((r, chunk))

@@ -199,3 +199,28 @@ def test_abort_works_in_the_priority_queue() -> None:
     assert core.num_waiting == 2
     results, _, _ = drain(core)
     assert first_token_order(results) == ["batch0", "batch2"]
+
+
+def test_a_preempted_request_longer_than_the_token_budget_still_runs() -> None:
+    """Without chunked prefill, a preempted request's recompute (prompt + what it wrote) may
+    outgrow max_num_tokens; alone, it runs whole instead of stalling the engine."""
+    shape = cm.EngineShape(
+        gpu=cm.gpu_spec("H100"),
+        model=cm.model_spec("llama-3.1-8b"),
+        max_batch_size=8,
+        max_num_tokens=512,
+    )
+    core = EngineCore(
+        CoreConfig(
+            shape=shape,
+            kv_policy="preempt",
+            enable_chunked_prefill=False,
+            enable_block_reuse=False,
+            kv_capacity_tokens=40 * 32,
+        )
+    )
+    core.add_request(request("a", tokens=500, out=600))
+    core.add_request(request("b", tokens=500, out=600))
+    _, done, texts = drain(core)
+    assert set(done) == {"a", "b"} and core.num_preemptions >= 1
+    assert all(len(texts[r].split()) == 600 for r in ("a", "b"))
