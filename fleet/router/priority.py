@@ -8,11 +8,14 @@ without them gets the engine's defaults here). TensorRT-LLM has no such field: i
 byte for byte.
 
 The router's class wins: a client's own value for one of those fields is replaced by its
-class's, so that no client raises itself above its `x-fleet-priority` class inside the engine.
+class's, so that no client raises itself above its `x-fleet-priority` class inside the engine;
+and where the router adds nothing (priority passing off, or a deployment that turned its
+engine's priority scheduling off) a client's own value is taken out, for the same reason.
 
-Hot path: the body was parsed once already (the router needs its `model`); when the client set
-none of the fields, the fields are spliced in before the closing brace of the raw bytes instead
-of re-serialising the whole body (a 64 MiB prompt costs a copy, not a dump).
+Hot path: the body was parsed once already (the router needs its `model`); the fields are
+spliced in before the closing brace of the raw bytes instead of re-serialising the whole body
+(a 64 MiB prompt costs a copy, not a dump). A client's own value is then an earlier duplicate
+key: JSON parsers (Python's, the engines') keep the last one, the class's.
 """
 
 from __future__ import annotations
@@ -34,16 +37,23 @@ class ClassFields:
 
     fields: Mapping[str, Any] = field(default_factory=dict)
     splice: bytes = b""
+    # The engine's priority fields, which a client may not set itself (taken out when the
+    # router adds none).
+    strip: frozenset[str] = frozenset()
+
+    def without_fields(self) -> ClassFields:
+        """Add nothing; still take a client's own priority out."""
+        return ClassFields(strip=self.strip)
 
 
 NONE = ClassFields()
 
 
-def class_fields(fields: Mapping[str, Any]) -> ClassFields:
+def class_fields(fields: Mapping[str, Any], strip: frozenset[str] = frozenset()) -> ClassFields:
     if not fields:
-        return NONE
+        return ClassFields(strip=strip) if strip else NONE
     members = json.dumps(dict(fields), separators=(",", ":"))[1:-1]
-    return ClassFields(dict(fields), b"," + members.encode() + b"}")
+    return ClassFields(dict(fields), b"," + members.encode() + b"}", strip | set(fields))
 
 
 def table_priorities(row: Mapping[str, Any]) -> dict[Priority, ClassFields]:
@@ -52,30 +62,35 @@ def table_priorities(row: Mapping[str, Any]) -> dict[Priority, ClassFields]:
     else its engine's defaults (`engine` absent: trtllm, which adds nothing). A malformed or
     unknown entry adds nothing: the request reaches the engine as the client sent it."""
     given = row.get("priority_fields")
+    try:
+        engine = engine_spec(str(row.get("engine") or DEFAULT_ENGINE))
+    except ValueError:  # an engine this router does not know
+        engine = None
     out: dict[Priority, ClassFields] = {}
     for cls in PRIORITIES:
+        # The engine's own field names, whatever this deployment's options say.
+        strip = frozenset(engine.priority_fields(cls)) if engine is not None else frozenset()
         if isinstance(given, Mapping):
             fields = given.get(cls)
-            out[cls] = class_fields(fields) if isinstance(fields, Mapping) else NONE
-            continue
-        try:
-            out[cls] = class_fields(
-                engine_spec(str(row.get("engine") or DEFAULT_ENGINE)).priority_fields(cls)
-            )
-        except ValueError:  # an engine this router does not know
-            out[cls] = NONE
+            out[cls] = class_fields(fields if isinstance(fields, Mapping) else {}, strip)
+        else:
+            out[cls] = class_fields(engine.priority_fields(cls) if engine else {}, strip)
     return out
 
 
 def with_priority(raw: bytes, body: Mapping[str, Any], add: ClassFields) -> bytes:
-    """The body to forward: `raw` itself when there is nothing to add; the fields spliced in
-    when the client set none of them; else the body re-serialised with the class's values."""
+    """The body to forward: `raw` itself when there is nothing to add or take out; the
+    fields spliced in (last: they win over a client's own); a client's own priority taken out
+    when the router adds none (re-serialised: rare, and the client's doing)."""
     if not add.fields:
-        return raw
-    if not any(key in body for key in add.fields):
-        end = raw.rstrip()
-        # Plain UTF-8 JSON (what every client sends): splice. Anything else (a BOM, UTF-16)
-        # was still valid JSON to json.loads: dump it again instead.
-        if end.endswith(b"}") and raw.lstrip()[:1] == b"{":
-            return end[:-1] + add.splice
+        if not any(key in body for key in add.strip):
+            return raw
+        return json.dumps(
+            {k: v for k, v in body.items() if k not in add.strip}, separators=(",", ":")
+        ).encode()
+    end = raw.rstrip()
+    # Plain UTF-8 JSON (what every client sends): splice. Anything else (a BOM, UTF-16) was
+    # still valid JSON to json.loads: dump it again instead.
+    if end.endswith(b"}") and raw.lstrip()[:1] == b"{":
+        return end[:-1] + add.splice
     return json.dumps({**body, **add.fields}, separators=(",", ":")).encode()

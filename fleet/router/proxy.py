@@ -259,8 +259,10 @@ class Router:
                 "invalid_request_error",
             )
         priority: Priority = "interactive" if priority_text == "interactive" else "batch"
-        if self.settings.pass_priority:
-            raw = with_priority(raw, body, pool.priorities[priority])
+        fields = pool.priorities[priority]
+        raw = with_priority(
+            raw, body, fields if self.settings.pass_priority else fields.without_fields()
+        )
         cost = Request(
             model=model,
             prompt_tokens=prompt_tokens(body, chat),

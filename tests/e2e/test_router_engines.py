@@ -182,6 +182,11 @@ def test_with_passing_priority_off_every_body_passes_as_sent(
         sent = [body("vl"), body("sg"), body("vl", priority=3)]
         for raw in sent:
             send(router, raw, "batch")
-        assert [b for _, b in upstream.bodies] == sent
+        got = [b for _, b in upstream.bodies]
+        assert got[:2] == sent[:2]  # byte for byte
+        # A client's own priority is the engine's field: taken out, never passed on.
+        assert json.loads(got[2]) == {
+            k: v for k, v in json.loads(sent[2]).items() if k != "priority"
+        }
     finally:
         router.stop()

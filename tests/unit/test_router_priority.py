@@ -28,7 +28,13 @@ def test_a_clients_own_value_is_replaced_and_other_encodings_are_dumped_again() 
 
 def test_a_table_row_gives_its_own_fields_else_its_engines() -> None:
     given = table_priorities({"engine": "vllm", "priority_fields": {"interactive": {}}})
-    assert given["interactive"] is NONE and given["batch"] is NONE
+    # Nothing added, but a client's own `priority` is still vLLM's field: taken out.
+    assert given["interactive"].fields == {} and given["batch"].fields == {}
+    assert given["interactive"].strip == frozenset({"priority"})
+    stripped = with_priority(
+        b'{"model":"m","priority":-100}', {"model": "m", "priority": -100}, given["batch"]
+    )
+    assert json.loads(stripped) == {"model": "m"}
     vllm = table_priorities({"engine": "vllm"})
     assert (vllm["interactive"].fields, vllm["batch"].fields) == ({"priority": 0}, {"priority": 10})
     assert vllm["batch"].splice == b',"priority":10}'
