@@ -55,9 +55,19 @@ class EngineRecord:
         """ValueError when `text` is not a record (a torn or foreign file)."""
         try:
             data: Any = json.loads(text)
-            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+            record = cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
         except (TypeError, KeyError, json.JSONDecodeError) as exc:
             raise ValueError(f"not an engine record: {exc}") from None
+        # Types checked: a pid that is a string would reach os.killpg.
+        numbers = (record.pid, record.start_time, record.port, record.index)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
+            raise ValueError("not an engine record: pid, start_time, port, index not integers")
+        if record.pid < 2 or not 1 <= record.port <= 65535:
+            raise ValueError("not an engine record: pid or port out of range")
+        texts = (record.deployment, record.engine, record.identity)
+        if not all(isinstance(t, str) for t in texts) or not isinstance(record.version, str | None):
+            raise ValueError("not an engine record: names are not strings")
+        return record
 
 
 def fingerprint(identity: str, argv: list[str]) -> str:
