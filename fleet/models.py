@@ -682,7 +682,9 @@ class ModelArtifactCreate(SQLModel):
     name: str = Field(min_length=1, max_length=255)
     uri: str = Field(min_length=1, max_length=1000)
     sha256: str | None = Field(default=None, min_length=1, max_length=64)
-    size_bytes: int | None = Field(default=None, ge=0, le=2**62)
+    # At most 2**53 - 1 (8 PiB): every integer up to it is exact as a JSON number read as a
+    # double (as JSON Schema validators read them), so the schema and this check agree.
+    size_bytes: int | None = Field(default=None, ge=0, le=2**53 - 1)
     format: ArtifactFormat = ArtifactFormat.HF_SAFETENSORS
     gpu_model: str | None = Field(default=None, min_length=1, max_length=32)
     tp_size: OptInt = Field(default=None, ge=1, le=64)

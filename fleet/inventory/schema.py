@@ -48,7 +48,6 @@ from fleet.models import (
 )
 from fleet.validation import SSH_FINGERPRINT_PATTERN, error_messages
 from fleet_core.engines import EngineName
-from fleet_core.engines import spec as engine_spec
 
 
 def _port(value: int) -> int:
@@ -197,7 +196,7 @@ class ArtifactIn(_Strict):
     name: Annotated[str, StringConstraints(min_length=1, max_length=255)]
     uri: Annotated[str, StringConstraints(min_length=1, max_length=1000)]
     sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
-    size_bytes: OptInt = Field(default=None, ge=0)
+    size_bytes: OptInt = Field(default=None, ge=0, le=2**53 - 1)  # as the API (models.py)
     format: ArtifactFormat = ArtifactFormat.HF_SAFETENSORS
     gpu_model: Annotated[str, StringConstraints(min_length=1, max_length=32)] | None = None
     tp_size: OptInt = Field(default=None, ge=1, le=64)
@@ -240,20 +239,6 @@ class DeploymentIn(_Strict):
     disruption_budget: Int = Field(default=1, ge=1, le=MAX_REPLICAS)
     # Warm spares per allowed GPU model kept holding its version (pre-staged).
     cached_spares: Int = Field(default=0, ge=0, le=MAX_REPLICAS)
-
-    @model_validator(mode="after")
-    def _engine_has_its_options(self) -> DeploymentIn:
-        """The engine's own check of its options, as the agent will make it: a file is refused
-        when read, naming the option, not half-imported."""
-        if isinstance(self.engine, dict):
-            if self.engine_params is not None:
-                raise ValueError(
-                    "engine is a name (trtllm, vllm, sglang) when engine_params is given"
-                )
-            engine_spec("trtllm").check_params(self.engine)
-        else:
-            engine_spec(self.engine).check_params(self.engine_params or {})
-        return self
 
 
 class InventoryFile(_Strict):

@@ -792,14 +792,14 @@ class VirtualColo:
     def _start_agent(self, node: _Node, env: dict[str, str] | None = None) -> None:
         if node.token is None:
             node.token = self._token_for(node.name)
-        started = "restarted" if env is not None else "started: power-on boot done"
+        started = "restarted" if env is not None else "power-on boot done"
         if env is None:
             env = self._agent_env(node, node.token, free_port())
         port = int(env["FLEET_AGENT_LISTEN_PORT"])
         node.agent_env = env
         log_path = node.workdir / "agent.log"
         with log_path.open("ab") as out:
-            out.write(f"--- lab: agent {started} {_now()}, on port {port}\n".encode())
+            out.write(f"--- lab: {started} {_now()}, agent on port {port}\n".encode())
             out.flush()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "fleet_agent"],

@@ -105,6 +105,24 @@ def _wait(
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _streams_on(urls: list[str], count: int = 4) -> tuple[list[list[str]], list[threading.Thread]]:
+    """`count` streaming completions spread over the engines at `urls`, each under way (its
+    first chunk in) when this returns: their chunks, and the threads to join."""
+    chunks: list[list[str]] = [[] for _ in range(count)]
+    started = [threading.Event() for _ in range(count)]
+    threads = [
+        threading.Thread(
+            target=_stream, args=(urls[i % len(urls)], f"story {i}", chunks[i], started[i])
+        )
+        for i in range(count)
+    ]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(30)
+    return chunks, threads
+
+
 def _stream(url: str, prompt: str, chunks: list[str], started: threading.Event) -> None:
     body = {
         "model": "llama-8b",
@@ -132,18 +150,7 @@ def test_a_restarted_agent_adopts_its_engines_without_losing_a_request(rig: Rig)
     assert sorted(r.pid for r in records if r is not None) == sorted(pids)
 
     # Requests in flight on both engines, then the agent dies (its supervisor is abandoned).
-    chunks: list[list[str]] = [[] for _ in range(4)]
-    started = [threading.Event() for _ in range(4)]
-    threads = [
-        threading.Thread(
-            target=_stream, args=(before[i % 2]["url"], f"story {i}", chunks[i], started[i])
-        )
-        for i in range(4)
-    ]
-    for t in threads:
-        t.start()
-    for e in started:
-        assert e.wait(30)
+    chunks, threads = _streams_on([r["url"] for r in before])
     rig.supervisors.remove(old)  # SIGKILL: no close(), no SIGTERM to anything
 
     new = rig.supervisor()
@@ -285,18 +292,7 @@ def test_an_agent_killed_and_started_again_keeps_serving(
         _wait(lambda: any(h["ready"] for h in fleet.of(0)), "the first agent serving")
         before = sup.replica_stats()
         pids = [r["pid"] for r in before]
-        chunks: list[list[str]] = [[] for _ in range(4)]
-        started = [threading.Event() for _ in range(4)]
-        threads = [
-            threading.Thread(
-                target=_stream, args=(before[i % 2]["url"], f"story {i}", chunks[i], started[i])
-            )
-            for i in range(4)
-        ]
-        for t in threads:
-            t.start()
-        for e in started:
-            assert e.wait(30)
+        chunks, threads = _streams_on([r["url"] for r in before])
 
         # SIGKILL: the loop and the supervisor's thread end, and nothing is stopped or drained.
         monkeypatch.setattr(sup, "close", lambda *a, **k: sup._stop.set())

@@ -1012,6 +1012,15 @@ def _tp_pp_mismatch(doc: Doc) -> None:
     doc["deployments"][0]["gpus_per_replica"] = 2
 
 
+def _engine_lacks_the_option(doc: Doc) -> None:
+    doc["deployments"][0]["engine"] = "vllm"
+    doc["deployments"][0]["engine_params"] = {"max_batch_size": 8}
+
+
+def _legacy_engine_bad_value(doc: Doc) -> None:
+    doc["deployments"][0]["engine"]["backend"] = "jax"
+
+
 def _standby_over_idle(doc: Doc) -> None:
     _r1_server(doc)["power"]["standby_w"] = 2000
 
@@ -1137,6 +1146,15 @@ REJECTIONS: dict[str, tuple[Callable[[Doc], str | None], list[str]]] = {
             "deployments[0]: gpus_per_replica (2) must equal tp_size × pp_size (1 × 1) "
             "for engine trtllm"
         ],
+    ),
+    # The engine's own check (as the agent makes it): a rule across fields, with the place.
+    "engine-lacks-the-option": (
+        _engine_lacks_the_option,
+        [Prefix("deployments[0]: engine_params max_batch_size: vllm serve has no such option")],
+    ),
+    "legacy-engine-bad-value": (
+        _legacy_engine_bad_value,
+        [Prefix("deployments[0]: engine_params.backend 'jax': expected one of")],
     ),
     "standby-over-idle": (
         _standby_over_idle,

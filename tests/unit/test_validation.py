@@ -482,14 +482,6 @@ def test_a_bounded_error_list_says_how_many_problems_there_are() -> None:
     assert str(ValidationFailed(["a"])) == "a"
 
 
-def test_engine_params_of_an_inventory_get_the_agents_check() -> None:
-    text = DEMO_INVENTORY.read_text().replace("backend: pytorch", "backend: jax", 1)
-    with pytest.raises(ValidationFailed) as info:
-        parse_inventory(text)
-    [error] = info.value.errors
-    assert error.startswith("deployments[0]: engine_params.backend 'jax'"), error
-
-
 def test_the_demo_inventory_still_parses() -> None:
     inv = parse_inventory(DEMO_INVENTORY.read_bytes())
     assert sum(len(rack.servers) for site in inv.sites for rack in site.racks) == 56
