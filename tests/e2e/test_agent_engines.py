@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from engine_streams import stream_completion
 from procs import alive
 from pydantic import SecretStr
 
@@ -171,20 +172,7 @@ def test_four_replicas_of_two_gpus_start_serve_and_restart(rig: Rig) -> None:
 
 
 def stream(url: str, prompt: str, chunks: list[str], started: threading.Event) -> None:
-    body = {
-        "model": "llama-8b",
-        "prompt": prompt,
-        "max_tokens": 300,
-        "ignore_eos": True,  # trtllm-serve's extension: exactly max_tokens
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                chunks.append(line[6:])
-                started.set()
+    stream_completion(url, prompt, chunks, started, max_tokens=300)
 
 
 def test_a_fatal_xid_drains_without_losing_a_request(rig: Rig) -> None:

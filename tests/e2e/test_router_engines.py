@@ -11,9 +11,7 @@ fcfs`). The stand-in's honouring of the field is bench/engine_priority.py's subj
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,9 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
+from threaded_app import ThreadedApp
 
-from fleet.lab.harness import RouterProcess, free_port
+from fleet.lab.harness import RouterProcess
 
 COMPLETION = {
     "id": "cmpl-1",
@@ -34,41 +33,20 @@ COMPLETION = {
 }
 
 
-class CapturingUpstream:
+class CapturingUpstream(ThreadedApp):
     """A TEST DOUBLE of an engine: keeps (path, body bytes) of every POST, on its own loop."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
         self.bodies: list[tuple[str, bytes]] = []
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     async def _handle(self, request: web.Request) -> web.Response:
         self.bodies.append((request.path, await request.read()))
         return web.json_response(COMPLETION)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/chat/completions", self._handle)
-        runner = web.AppRunner(app)
-        self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self._started.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(runner.cleanup())
-
-    def __enter__(self) -> CapturingUpstream:
-        self._thread.start()
-        assert self._started.wait(10)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 def row(name: str, upstream: CapturingUpstream, **extra: Any) -> dict[str, Any]:

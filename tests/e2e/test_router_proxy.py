@@ -18,7 +18,6 @@ covers the real /state.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -36,6 +35,7 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
+from threaded_app import ThreadedApp
 
 from fleet.lab.harness import RouterProcess, free_port
 from fleet.lab.harness import wait_for as _wait_for
@@ -89,45 +89,24 @@ class Engine:
             self.proc.wait(timeout=5)
 
 
-class AgentDouble:
+class AgentDouble(ThreadedApp):
     """A TEST DOUBLE of the agent's /state (see the module doc), on its own event loop."""
 
     def __init__(self, replicas: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
         self.state: dict[str, Any] = {
             "ready": True,
             "draining": False,
             "replicas": [{"url": u, "state": "ready", "queued": 0, "running": 0} for u in replicas],
         }
         self.polls = 0
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     async def _handle(self, _: web.Request) -> web.Response:
         self.polls += 1
         return web.json_response(self.state)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/state", self._handle)
-        runner = web.AppRunner(app)
-        self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self._started.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(runner.cleanup())
-
-    def __enter__(self) -> AgentDouble:
-        self._thread.start()
-        assert self._started.wait(10)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 class Router(RouterProcess):
