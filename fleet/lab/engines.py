@@ -26,12 +26,6 @@ STANDIN_MODULES: dict[str, tuple[str, str]] = {
     "vllm": ("FLEET_AGENT_ENGINE_COMMAND_VLLM", "fleet_agent.engine.standin.vllm"),
     "sglang": ("FLEET_AGENT_ENGINE_COMMAND_SGLANG", "fleet_agent.engine.standin.sglang"),
 }
-# The option that bounds one replica's running requests, per engine (its own flag's name).
-BATCH_KEYS: dict[str, str] = {
-    "trtllm": "max_batch_size",
-    "vllm": "max_num_seqs",
-    "sglang": "max_running_requests",
-}
 
 
 def standin_commands(python: str = sys.executable) -> dict[str, str]:
@@ -61,7 +55,7 @@ def translate_params(source: str, params: Mapping[str, Any], target: str) -> dic
         out[dst.parallel_keys[1]] = pp
     batch = src.max_batch_size(params)
     if batch is not None:
-        out[BATCH_KEYS[target]] = batch
+        out[dst.batch_key] = batch
     dst.check_params(out)
     return out
 

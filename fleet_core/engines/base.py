@@ -55,8 +55,10 @@ class EngineSpec(ABC):
     # The versions whose documented command line and metrics this agent speaks (PEP 440): the
     # `gpu-<engine>` extra in pyproject.toml pins the same range.
     supported_versions: ClassVar[str]
-    # The engine_params keys of one replica's tensor and pipeline parallel sizes.
+    # The engine_params keys of one replica's tensor and pipeline parallel sizes, and of the
+    # most requests one replica runs at once.
     parallel_keys: ClassVar[tuple[str, str]]
+    batch_key: ClassVar[str]
 
     @abstractmethod
     def check_params(self, params: Mapping[str, Any]) -> None:
@@ -70,7 +72,8 @@ class EngineSpec(ABC):
 
     def max_batch_size(self, params: Mapping[str, Any]) -> int | None:
         """The most requests one replica runs at once, when the params set it."""
-        return None
+        value = params.get(self.batch_key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @abstractmethod
     def launch(self, spec: LaunchSpec) -> Launch:

@@ -99,16 +99,13 @@ class SglangEngine(EngineSpec):
     # Verified: 0.5.3, 0.5.4, 0.5.10, 0.5.23 (see the module docstring); gpu-sglang pins the same.
     supported_versions = ">=0.5.3,<0.6"
     parallel_keys = ("tp_size", "pp_size")
+    batch_key = "max_running_requests"
 
     def check_params(self, params: Mapping[str, Any]) -> None:
         check_known(self, params, KNOWN)
         check_parallel_keys(self, params)
         FLAGS.check(params)
         check_bool(params, PRIORITY_KEY)
-
-    def max_batch_size(self, params: Mapping[str, Any]) -> int | None:
-        value = params.get("max_running_requests")
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def launch(self, spec: LaunchSpec) -> Launch:
         """`<command> --model-path MODEL --host H --port P --enable-metrics

@@ -258,14 +258,11 @@ class TrtllmEngine(EngineSpec):
     default_command = ("trtllm-serve",)
     supported_versions = ">=1.0,<1.3"
     parallel_keys = ("tp_size", "pp_size")
+    batch_key = "max_batch_size"
 
     def check_params(self, params: Mapping[str, Any]) -> None:
         check_parallel_keys(self, params)
         check_engine_params(params)
-
-    def max_batch_size(self, params: Mapping[str, Any]) -> int | None:
-        value = params.get("max_batch_size")
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def launch(self, spec: LaunchSpec) -> Launch:
         options = f"{spec.config_dir.rstrip('/')}/{EXTRA_OPTIONS_FILE}"

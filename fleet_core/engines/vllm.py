@@ -88,15 +88,12 @@ class VllmEngine(EngineSpec):
     # Verified: 0.11.0 and 0.34.0 (see the module docstring); the gpu-vllm extra pins the same.
     supported_versions = ">=0.11,<0.35"
     parallel_keys = ("tensor_parallel_size", "pipeline_parallel_size")
+    batch_key = "max_num_seqs"
 
     def check_params(self, params: Mapping[str, Any]) -> None:
         check_known(self, params, KNOWN)
         check_parallel_keys(self, params)
         FLAGS.check(params)
-
-    def max_batch_size(self, params: Mapping[str, Any]) -> int | None:
-        value = params.get("max_num_seqs")
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def launch(self, spec: LaunchSpec) -> Launch:
         """`vllm serve MODEL --host H --port P [--served-model-name N...] --scheduling-policy
