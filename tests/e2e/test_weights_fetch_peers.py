@@ -167,7 +167,9 @@ def test_cuts_without_end_are_bounded(tmp_path: Path) -> None:
     assert found is not None, str(caught.value)
     kept, tries = int(found.group(1)), int(found.group(2))
     assert tries == len(peer.requests) <= fetch_module.MAX_ATTEMPTS
-    assert 0 < kept == dest.stat().st_size < made.size
+    # What arrived is on disk, and no more: whether any try kept bytes is the kernel's (a
+    # reset may drop all it held, every time; a CI run saw 0 kept), so 0 is a valid outcome.
+    assert 0 <= kept == dest.stat().st_size < made.size
 
 
 @pytest.fixture(scope="module")
