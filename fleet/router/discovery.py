@@ -50,6 +50,10 @@ class WorkerView:
         self.by_model: dict[str, DeploymentPool] = {}
         self.agents: dict[str, list[Replica]] = {}  # agent URL -> its replicas
         self.agent_misses: dict[str, int] = {}
+        # Replica URL -> the version its agent last reported it runs. The agent knows first
+        # (it restarted the engine); the table, a heartbeat behind, may name the version the
+        # server is moving to while the old one still answers.
+        self.agent_versions: dict[str, str] = {}
         self._polls: dict[str, asyncio.Task[None]] = {}
         self.table_ok = False
         self.on_change: Callable[[], None] = lambda: None
@@ -120,7 +124,7 @@ class WorkerView:
                     pool.throughput[url] = Throughput(prior)
                 replica.models = pool.models
                 replica.limit = limit
-                replica.version = str(item.get("version") or "")
+                replica.version = self.agent_versions.get(url) or str(item.get("version") or "")
                 current[url] = replica
                 agent = item.get("agent_url")
                 if agent:
@@ -147,6 +151,8 @@ class WorkerView:
         self.by_model = by_model
         self.agents = agents
         self.agent_misses = {a: self.agent_misses.get(a, 0) for a in agents}
+        listed = {r.url for replicas in agents.values() for r in replicas}
+        self.agent_versions = {u: v for u, v in self.agent_versions.items() if u in listed}
         self.on_change()
 
     def _new_pool(self, name: str) -> DeploymentPool:
@@ -193,6 +199,10 @@ class WorkerView:
             return
         self.agent_misses[url] = 0
         apply_agent_state(replicas, state)
+        for row in state.get("replicas") or []:
+            version = row.get("version") if isinstance(row, dict) and row.get("url") else None
+            if isinstance(version, str) and version:
+                self.agent_versions[str(row["url"]).rstrip("/")] = version
 
 
 def _unknown_takes_the_mean(replicas: dict[str, Replica], meters: dict[str, Throughput]) -> None:
