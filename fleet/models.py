@@ -1003,6 +1003,120 @@ class ApiToken(SQLModel, table=True):
     replaced_by_id: int | None = Field(default=None, foreign_key="api_token.id")
 
 
+# ---------------------------------------------------------------------------------------------
+# Callers of the routers (fleet/callers.py, docs/api.md "Tenants and client keys"): tenants
+# share a deployment's slots when it is contended; client keys authenticate requests to the
+# routers, each with its own rate limits.
+
+# Requests and tokens per minute a key may be given: far beyond any client, within BIGINT.
+MAX_KEY_RPM = 10_000_000
+MAX_KEY_TPM = 10_000_000_000
+MAX_KEY_NAME = 100
+
+
+class Tenant(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=63, unique=True, index=True)
+    # The part of a contended deployment's slots it may hold (0 < share <= 1).
+    concurrency_share: float = Field(default=1.0, gt=0, le=1)
+    created_at: datetime = _ts(default_factory=utcnow)
+
+
+class TenantCreate(SQLModel):
+    model_config = SQLModelConfig(extra="forbid")
+
+    name: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
+    concurrency_share: Number = Field(default=1.0, gt=0, le=1)
+
+
+class TenantUpdate(_Update):
+    model_config = SQLModelConfig(extra="forbid")
+
+    concurrency_share: OptNumber = Field(default=None, gt=0, le=1)
+
+
+class TenantPublic(SQLModel):
+    id: int
+    name: str
+    concurrency_share: float
+    created_at: datetime
+    keys: int  # its active keys (neither revoked nor expired)
+
+
+class ClientKey(SQLModel, table=True):
+    __tablename__ = "client_key"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=MAX_KEY_NAME)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    # SHA-256 of the key: keys are 256-bit random, so a slow hash buys nothing. Routers match
+    # a request's key by it (GET /routing/callers); nothing else reads it.
+    key_hash: str = Field(max_length=64, unique=True, index=True)
+    # None: unlimited.
+    requests_per_minute: int | None = Field(default=None, sa_type=sa.BigInteger)
+    tokens_per_minute: int | None = Field(default=None, sa_type=sa.BigInteger)
+    created_at: datetime = _ts(default_factory=utcnow)
+    revoked_at: datetime | None = _ts(default=None)
+    expires_at: datetime | None = _ts(default=None)
+
+
+class ClientKeyCreate(SQLModel):
+    model_config = SQLModelConfig(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=MAX_KEY_NAME)
+    tenant: str = Field(max_length=63, schema_extra={"pattern": NAME_PATTERN})
+    requests_per_minute: OptInt = Field(default=None, ge=1, le=MAX_KEY_RPM)
+    tokens_per_minute: OptInt = Field(default=None, ge=1, le=MAX_KEY_TPM)
+    # `90d`, `12h` or `30m` (fleet/auth.py parse_lifetime); none: it never expires.
+    expires_in: str | None = Field(default=None, min_length=1, max_length=20)
+
+
+class ClientKeyUpdate(_Update):
+    """A key's limits: a field left out keeps its value, null lifts the limit."""
+
+    model_config = SQLModelConfig(extra="forbid")
+    nullable_fields: ClassVar[frozenset[str]] = frozenset(
+        {"requests_per_minute", "tokens_per_minute"}
+    )
+
+    requests_per_minute: OptInt = Field(default=None, ge=1, le=MAX_KEY_RPM)
+    tokens_per_minute: OptInt = Field(default=None, ge=1, le=MAX_KEY_TPM)
+
+
+class ClientKeyPublic(SQLModel):
+    """A key as lists show it: never its value or hash."""
+
+    id: int
+    name: str
+    tenant: str
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    created_at: datetime
+    revoked_at: datetime | None
+    expires_at: datetime | None
+    active: bool  # neither revoked nor expired
+
+
+class ClientKeyCreated(ClientKeyPublic):
+    """A new key: `key` is its value, shown this once (only its hash is kept)."""
+
+    key: str
+
+
+class RouterUsage(SQLModel, table=True):
+    """One router's last reported usage per client key ("<key id>" → requests and tokens it
+    admitted over its rate window): the other routers count it against the keys' limits."""
+
+    __tablename__ = "router_usage"
+
+    id: int | None = Field(default=None, primary_key=True)
+    router: str = Field(max_length=100, unique=True)
+    at: datetime = _ts(default_factory=utcnow, index=True)
+    callers: dict[str, Any] = _json(dict)
+    # The trailing window those figures cover (None: the router did not say).
+    window_s: float | None = None
+
+
 class DiagnosticBundle(SQLModel, table=True):
     """What `fleetctl servers diagnose` collected from one server over SSH (fleet/ssh/
     diagnose.py): a gzipped tar of each command's output, bounded in size, kept in the

@@ -24,6 +24,7 @@ from fleet.api.openapi import AllowEveryMethod, document
 from fleet.api.routes import (
     agent,
     autoscaler,
+    callers,
     deployments,
     health,
     inventory,
@@ -180,6 +181,7 @@ def create_app(
         autoscaler,
         schedules,
         routing,
+        callers,
         tokens,
         ssh,
         models,

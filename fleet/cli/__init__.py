@@ -5,9 +5,10 @@ service); every other command talks to a running service at --url / FLEET_URL wi
 --token / FLEET_TOKEN. Errors are one line on stderr and a non-zero exit code.
 
 This module only assembles the app: one module per command group (db, tokens and agent-tokens,
-serve, agent, router, inventory, servers, racks, deployments, events, spares, autoscaler,
-schedule, prometheus, lab, simulate, demo), what they share in fleet/cli/common.py. The modules
-import the service's code inside each command, so that `fleetctl --help` stays fast.
+serve, agent, router, callers (tenants and keys), inventory, servers, racks, deployments, events,
+spares, autoscaler, schedule, prometheus, lab, simulate, demo), what they share in
+fleet/cli/common.py. The modules import the service's code inside each command, so that
+`fleetctl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import typer
 from fleet.cli import (
     agent,
     autoscaler,
+    callers,
     common,
     db,
     demo,
@@ -64,6 +66,8 @@ rollouts.register(deployments.deployments_app)
 app.add_typer(models.models_app, name="models")
 app.add_typer(agent.agent_app, name="agent")
 app.add_typer(router.router_app, name="router")
+app.add_typer(callers.tenants_app, name="tenants")
+app.add_typer(callers.keys_app, name="keys")
 app.add_typer(spares.spares_app, name="spares")
 app.add_typer(spares.autopilot_app, name="autopilot")
 app.add_typer(autoscaler.autoscaler_app, name="autoscaler")

@@ -18,7 +18,17 @@ from sqlmodel import Session, col, select
 
 from fleet.autoscaler.signals import RouterLoad
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Int, ModelVersion, RouterReport, Server, utcnow
+from fleet.models import (
+    Deployment,
+    Int,
+    ModelVersion,
+    Number,
+    OptNumber,
+    RouterReport,
+    RouterUsage,
+    Server,
+    utcnow,
+)
 from fleet.settings import Settings
 from fleet_core.engines import spec as engine_spec
 from fleet_core.weights import version_key
@@ -150,35 +160,78 @@ class DeploymentLoad(BaseModel):
     )
 
 
-class LoadReport(BaseModel):
-    """POST /api/v1/routing/report: one router's view, every deployment it routes."""
+# Client keys in one report's usage (a router reports the keys it admitted in its window) and
+# the largest figure: far beyond any key's limit (fleet/models.py MAX_KEY_TPM per minute).
+MAX_REPORTED_KEYS = 100_000
+MAX_USAGE = 1e12
+MIN_WINDOW_S = 0.001
+MAX_WINDOW_S = 3600.0
+KeyIdText = Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,9}$")]
+
+
+class KeyUsage(BaseModel):
+    """What a router admitted for one client key over its trailing rate window."""
 
     model_config = ConfigDict(extra="forbid")
+
+    # JSON numbers only (true is no request), finite.
+    requests: Number = Field(ge=0, le=MAX_USAGE)
+    tokens: Number = Field(ge=0, le=MAX_USAGE)
+
+
+def _key_ids_only(schema: dict[str, Any]) -> None:
+    """pydantic states a patterned key as `patternProperties`, which lets any other key
+    through; the model refuses them, and so does the schema (`propertyNames`)."""
+    for option in schema["properties"]["callers"]["anyOf"]:
+        patterns = option.pop("patternProperties", None)
+        if patterns:
+            [(pattern, value)] = patterns.items()
+            option["propertyNames"] = {"pattern": pattern}
+            option["additionalProperties"] = value
+
+
+class LoadReport(BaseModel):
+    """POST /api/v1/routing/report: one router's view, every deployment it routes, and
+    (optionally) its usage per client key for the other routers' rate limits."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_key_ids_only)
 
     router: str = Field(min_length=1, max_length=100)
     deployments: dict[
         Annotated[str, StringConstraints(min_length=1, max_length=63)], DeploymentLoad
     ] = Field(max_length=MAX_REPORTED_DEPLOYMENTS)
+    # "<key id>" → its usage over the router's `window_s`; absent: the router keeps no keys
+    # (CLIENT_AUTH=none) and neither stores nor receives usage.
+    callers: dict[KeyIdText, KeyUsage] | None = Field(default=None, max_length=MAX_REPORTED_KEYS)
+    # From a millisecond: figures are scaled by the ratio of two windows, which stays finite.
+    window_s: OptNumber = Field(default=None, ge=MIN_WINDOW_S, le=MAX_WINDOW_S)
 
 
 class ReportOutcome(BaseModel):
     """What a report did: rows written, and the deployments it named that the fleet does not
-    have (ignored: nothing stored for them; the first MAX_IGNORED_SHOWN named)."""
+    have (ignored: nothing stored for them; the first MAX_IGNORED_SHOWN named). With `callers`
+    in the report: the other routers' usage per key summed (left out otherwise)."""
 
     recorded: int
     ignored: int = 0
     unknown: list[str] = Field(default_factory=list)
+    callers: dict[str, KeyUsage] | None = None
 
 
 def record_report(
-    session: Session, report: LoadReport, *, now: datetime | None = None
+    session: Session,
+    report: LoadReport,
+    *,
+    now: datetime | None = None,
+    stale_s: float = Settings.model_fields["router_report_stale_s"].default,
 ) -> ReportOutcome:
     """Upsert the router's row per deployment that exists (one transaction).
 
     Deployments the fleet does not have are ignored and counted, not refused: a router's table
     lags the fleet by a poll (a deployment just deleted) or comes from a file, and refusing the
     whole report would blind the autoscaler to that router's real queues. Ignoring stores
-    nothing for a made-up name, so at most one row per router and existing deployment."""
+    nothing for a made-up name, so at most one row per router and existing deployment.
+    The client-key usage exchange: `_exchange_usage` (rows fresher than `stale_s` count)."""
     at = now or utcnow()
     named = set(report.deployments)
     existing: set[str] = set(session.exec(select(Deployment.name)))  # tens: read them all
@@ -197,11 +250,66 @@ def record_report(
         session.add(row)
     # A restarted router reports under a new name: its old rows go after an hour.
     session.execute(sa.delete(RouterReport).where(col(RouterReport.at) < at - timedelta(hours=1)))
+    others = None
+    if report.callers is not None:
+        others = _exchange_usage(session, report, at, at - timedelta(seconds=stale_s))
     session.commit()
     unknown = sorted(named - known)
     return ReportOutcome(
-        recorded=len(known), ignored=len(unknown), unknown=unknown[:MAX_IGNORED_SHOWN]
+        recorded=len(known),
+        ignored=len(unknown),
+        unknown=unknown[:MAX_IGNORED_SHOWN],
+        callers=others,
     )
+
+
+def _exchange_usage(
+    session: Session, report: LoadReport, at: datetime, fresh_after: datetime
+) -> dict[str, KeyUsage]:
+    """Store the router's usage per key (one row per router) and answer the other routers'
+    usage reported since `fresh_after`, summed per key. A figure over another window is scaled
+    to the reporter's (a router that said no window is taken at the reporter's)."""
+    assert report.callers is not None
+    # As with the load rows, an hour-old row goes; the rest are one per live router: read
+    # them all.
+    session.execute(sa.delete(RouterUsage).where(col(RouterUsage.at) < at - timedelta(hours=1)))
+    rows = session.exec(select(RouterUsage)).all()
+    mine = next((r for r in rows if r.router == report.router), None)
+    mine = mine or RouterUsage(router=report.router)
+    mine.at, mine.window_s = at, report.window_s
+    mine.callers = {key: usage.model_dump() for key, usage in report.callers.items()}
+    session.add(mine)
+    return sum_usage(
+        [
+            (row.callers or {}, row.window_s)
+            for row in rows
+            if row.router != report.router and row.at >= fresh_after
+        ],
+        report.window_s,
+    )
+
+
+def sum_usage(
+    reports: list[tuple[dict[str, Any], float | None]], window_s: float | None
+) -> dict[str, KeyUsage]:
+    """Per key, the figures of `reports` (usage by key, the window it covers) added up, each
+    scaled to `window_s`; an entry that no longer parses (another release's) is left out."""
+    out: dict[str, list[float]] = {}
+    for callers, window in reports:
+        scale = window_s / window if window_s and window else 1.0
+        for key, value in callers.items():
+            try:
+                usage = KeyUsage.model_validate(value)
+            except ValueError:
+                continue
+            total = out.setdefault(key, [0.0, 0.0])
+            total[0] += usage.requests * scale
+            total[1] += usage.tokens * scale
+    return {
+        key: KeyUsage(requests=min(r, MAX_USAGE), tokens=min(t, MAX_USAGE))
+        # By key id: decimal text, so shorter is smaller.
+        for key, (r, t) in sorted(out.items(), key=lambda item: (len(item[0]), item[0]))
+    }
 
 
 def router_loads(session: Session, fresh_after: datetime) -> dict[str, RouterLoad]:

@@ -5,7 +5,9 @@ re-import), then, with every logger at DEBUG and every record captured (the serv
 included), call every route of the app as every kind of caller and run every fleetctl command
 against the live service. No password may appear in any HTTP response, CLI output, log record,
 stdout/stderr, or the database dump; the dump must hold each server's ciphertext, and that
-ciphertext must decrypt to the server's current password.
+ciphertext must decrypt to the server's current password. Client keys likewise: a key's value
+only in its create answer, its hash only in the routers' view (GET /routing/callers), and the
+value not in the dump.
 
 The power routes and `fleetctl servers power` talk to real BMC peers, so the BMC libraries'
 own DEBUG logging (redfish, requests/urllib3; pyghmi prints, if anything) is searched too: a
@@ -17,8 +19,10 @@ and, for the fourth, a UDP port nothing listens on (unreachable).
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
+import re
 import secrets
 import sqlite3
 import subprocess
@@ -63,6 +67,7 @@ SERVERS = ("sec1-r01-h100-01", "sec1-r01-h100-02", "sec1-r01-l40s-01", "sec1-r01
 REDFISH_OK, REDFISH_BAD_AUTH, IPMI_OK, IPMI_DOWN = SERVERS
 BMC_USER = "admin"
 DEPLOYMENT = "sec-llama"
+TENANT = "sec-tenant"
 API = "/api/v1"
 # The operator move the route sweep makes (enrolled → maintenance is allowed).
 SWEEP_MOVE = "maintenance"
@@ -265,6 +270,7 @@ def test_bmc_passwords_never_leak(
 ) -> None:
     evidence = Evidence()
     names = {"servers": SERVERS[0], "racks": RACK, "sites": SITE, "deployments": DEPLOYMENT}
+    names["tenants"] = TENANT
 
     with debug_logging() as logs, _bmc_libraries_at_debug():
         admin_token = live.token(Role.ADMIN, name="admin")
@@ -302,6 +308,12 @@ def test_bmc_passwords_never_leak(
             changes = [(c["name"], c["fields"]) for c in response.json()["changes"]]
             assert changes == [(SERVERS[2], ["bmc_password"])]
         clients["agent"] = live.client(live.token(Role.AGENT, name="agent", server=SERVERS[0]))
+        # A tenant with an active client key before the sweep: the routers' view holds its hash.
+        response = send("admin", "POST", f"{API}/tenants", json={"name": TENANT})
+        assert response.status_code == 201, response.text
+        body = {"tenant": TENANT, "name": "sweep-bot", "requests_per_minute": 60}
+        response = send("operator", "POST", f"{API}/client-keys", json=body)
+        assert response.status_code == 201, response.text
 
         # Every route, as every caller: a valid request where we know one, and for every write
         # a body with passwords in the wrong places (refused, and never echoed).
@@ -382,6 +394,7 @@ def test_bmc_passwords_never_leak(
     assert "set power 1" in ipmi_bmc.log_calls() and "set power 0" in ipmi_bmc.log_calls()
 
     searched = [*evidence.texts, *(("log", line) for line in logs.lines)]
+    _no_client_key_leaks(searched, db)
     needles = pw.needles()
     leaks = [
         f"{where}: {what}" for where, text in searched for n, what in needles.items() if n in text
@@ -416,6 +429,36 @@ def _bmc_libraries_at_debug() -> Iterator[None]:
             logger.disabled = disabled
 
 
+# A client key's value is in its create answer only (the API's and `fleetctl keys create`'s);
+# its hash only in the routers' view. Neither anywhere else: lists, events, exports, logs.
+CLIENT_KEY = re.compile(r"fk_[A-Za-z0-9_-]{43}")
+
+
+def _no_client_key_leaks(searched: list[tuple[str, str]], db: Engine) -> None:
+    def creates(where: str) -> bool:
+        return where.startswith("fleetctl keys create") or (
+            " POST " in where and where.endswith(f"{API}/client-keys")
+        )
+
+    keys = {k for where, text in searched if creates(where) for k in CLIENT_KEY.findall(text)}
+    assert len(keys) >= 4, keys  # the sweep's (before, admin's, operator's) and the CLI's
+    hashes = {hashlib.sha256(k.encode()).hexdigest(): k for k in keys}
+    routers_view = [text for where, text in searched if where.endswith(f"{API}/routing/callers")]
+    assert any(h in text for h in hashes for text in routers_view), "the view shows no hash"
+    leaks = [
+        f"{where}: {kind} of {key}"
+        for where, text in searched
+        for kind, found in (("value", {k: k for k in keys}), ("hash", hashes))
+        if not (kind == "value" and creates(where))
+        and not (kind == "hash" and where.endswith(f"{API}/routing/callers"))
+        for needle, key in found.items()
+        if needle in text
+    ]
+    assert leaks == [], "client key leaked:\n" + "\n".join(leaks[:20])
+    dump = _dump(db)
+    assert not [k for k in keys if k in dump], "a client key's value is in the database dump"
+
+
 def _valid_request(method: str, template: str, pw: Passwords) -> tuple[dict[str, Any], str | None]:
     """A request that succeeds for a caller allowed to make it, and the password it sets."""
     if template.startswith(f"{API}/inventory/") and method == "POST":
@@ -445,6 +488,12 @@ def _valid_request(method: str, template: str, pw: Passwords) -> tuple[dict[str,
         return {"json": body}, None
     if template == f"{API}/deployments/{{name}}" and method == "PATCH":
         return {"json": {"max_replicas": 3}}, None
+    if template == f"{API}/tenants" and method == "POST":
+        return {"json": {"name": f"sweep-{secrets.token_hex(3)}"}}, None
+    if template == f"{API}/tenants/{{name}}" and method == "PATCH":
+        return {"json": {"concurrency_share": 0.5}}, None
+    if template == f"{API}/client-keys" and method == "POST":
+        return {"json": {"tenant": TENANT, "name": "sweep", "expires_in": "1d"}}, None
     return {"json": {}}, None  # a route this test does not know yet: at least call it
 
 
@@ -610,6 +659,28 @@ def _run_every_command(
     cmd(("servers", "diagnostics"), s2)
     cmd(("servers", "diagnostics-get"), "999999", "-o", str(tmp_path / "b.tar.gz"), code=1)
     cmd(("lab", "ssh-key"), "--dir", str(tmp_path / "lab-key"))
+    # Tenants and client keys: the key alone on stdout at creation, in no list.
+    cmd(("tenants", "create"), "cli-tenant", "--share", "0.5")
+    cmd(("tenants", "create"), "cli-tenant", code=1)  # exists: one line
+    cmd(("tenants", "set"), "cli-tenant", "--share", "0.25")
+    cmd(("tenants", "list"))
+    cmd(("tenants", "list"), "-o", "json")
+    made = cmd(("keys", "create"), "--tenant", "cli-tenant", "--name", "cli", "--rpm", "60")
+    client_key = made.stdout.strip()
+    assert client_key.startswith("fk_") and client_key not in made.stderr
+    made_json = cmd(("keys", "create"), "--tenant", "cli-tenant", "--name", "j", "-o", "json")
+    other_key = json.loads(made_json.stdout)
+    cmd(("keys", "create"), "--tenant", "ghost", "--name", "x", code=1)  # unknown tenant
+    listed = cmd(("keys", "list"), "--tenant", "cli-tenant", "-o", "json").stdout
+    assert client_key not in listed and other_key["key"] not in listed
+    cmd(("keys", "list"))
+    cli_key_id = str(next(r["id"] for r in json.loads(listed) if r["name"] == "cli"))
+    cmd(("keys", "set"), cli_key_id, "--rpm", "none", "--tpm", "1000")
+    cmd(("keys", "set"), cli_key_id, code=1)  # nothing to change: one line
+    cmd(("tenants", "delete"), "cli-tenant", code=1)  # active keys: one line
+    cmd(("keys", "revoke"), cli_key_id)
+    cmd(("keys", "revoke"), str(other_key["id"]))
+    cmd(("tenants", "delete"), "cli-tenant")
     cmd(("db", "current"))
     cmd(("db", "upgrade"))
     cmd(("secret-key",))
