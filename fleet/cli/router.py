@@ -32,6 +32,17 @@ def router_run(
         Path | None,
         typer.Option("--table", help="A routing table file instead of the fleet service."),
     ] = None,
+    callers: Annotated[
+        Path | None,
+        typer.Option(
+            "--callers",
+            help="Client keys and tenants from a file, not the fleet [FLEET_ROUTER_CALLERS_FILE].",
+        ),
+    ] = None,
+    client_auth: Annotated[
+        str | None,
+        typer.Option("--client-auth", help="keys (default) or none [FLEET_ROUTER_CLIENT_AUTH]."),
+    ] = None,
     workers: Annotated[
         int | None,
         typer.Option(help="Router processes sharing the port [FLEET_ROUTER_WORKERS]."),
@@ -59,6 +70,8 @@ def router_run(
         "listen_port": port,
         "strategy": strategy,
         "table_file": table,
+        "callers_file": callers,
+        "client_auth": client_auth,
         "workers": workers,
         "tls_cert": tls_cert,
         "tls_key": tls_key,
@@ -67,12 +80,15 @@ def router_run(
     options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     settings = RouterSettings(**options)
     if settings.table_file is None and settings.token is None:
-        raise CliError("no token: set FLEET_ROUTER_TOKEN (a viewer token is enough) or --table")
+        raise CliError(
+            "no token: set FLEET_ROUTER_TOKEN (a router token; a viewer token is enough only "
+            "with --client-auth none) or --table"
+        )
     scheme = "https" if server_tls(settings) is not None else "http"
     sock = bind(settings)
     typer.echo(
         f"router on {scheme}://{settings.listen_host}:{sock.getsockname()[1]}, "
-        f"strategy {settings.strategy}"
+        f"strategy {settings.strategy}, client auth {settings.client_auth}"
         + (f", {settings.workers} workers" if settings.workers > 1 else ""),
         err=True,
     )

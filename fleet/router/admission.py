@@ -5,11 +5,14 @@ interactive requests leave before batch ones (FIFO within a class). Beyond `boun
 requests the router answers 429 with Retry-After: a bounded queue keeps latency bounded and
 tells clients to back off, where an unbounded one would only hide the overload. The depth is an
 autoscaler signal.
+
+`fluid_waits` sizes the bound: the backlog a burst builds even with perfect routing.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Generic, Literal, TypeVar
 
 Priority = Literal["interactive", "batch"]
@@ -64,3 +67,23 @@ class AdmissionQueue(Generic[T]):
             except ValueError:
                 continue
         return False
+
+
+def fluid_waits(arrivals: Sequence[float], rate: float) -> list[float]:
+    """Each arrival's wait (seconds) in one first-come-first-served queue drained at `rate`
+    requests per second: the fleet as a fluid at its full capacity, so with perfect routing.
+    A wait times `rate` is the backlog that request found, so max(waits) · rate is what the
+    waiting room must hold for that burst (the requests in flight aside), and no FIFO router
+    makes requests wait less. `arrivals` in time order."""
+    if not rate > 0:
+        raise ValueError("the rate must be positive")
+    waits: list[float] = []
+    backlog = 0.0  # requests (fractional: a fluid)
+    last = arrivals[0] if arrivals else 0.0
+    for at in arrivals:
+        drained = (at - last) * rate
+        backlog = backlog - drained if backlog > drained else 0.0
+        last = at
+        waits.append(backlog / rate)
+        backlog += 1.0
+    return waits

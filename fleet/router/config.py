@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -13,12 +14,20 @@ from fleet.router.strategy import DEFAULT_STRATEGY, PREFILL_WEIGHT, STRATEGIES
 class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEET_ROUTER_", extra="ignore")
 
-    # Where the routing table comes from (GET /api/v1/routing; a viewer token is enough).
+    # Where the routing table comes from (GET /api/v1/routing; a viewer token is enough for it,
+    # a router token also reads the client keys and reports load).
     fleet_url: str = Field(default="http://127.0.0.1:8080", pattern=r"^https?://\S+$")
     token: SecretStr | None = None
     # Or a routing table in a file (JSON or YAML: the `results` of GET /api/v1/routing), re-read
     # every fleet_poll_s: a router without the fleet service (benchmarks, a static setup).
     table_file: Path | None = None
+    # Who may call (docs/router.md, "Callers"): `keys` — a client key (`Authorization: Bearer
+    # fk_…`) from the fleet's GET /api/v1/routing/callers (a router token), or from
+    # `callers_file` with a table file; `none` — no authentication, every request is tenant
+    # "anonymous" with no limits. Per-minute limits are enforced over `rate_window_s`.
+    client_auth: Literal["keys", "none"] = "keys"
+    callers_file: Path | None = None
+    rate_window_s: float = Field(default=60.0, gt=0, le=3600)
     listen_host: str = "127.0.0.1"
     listen_port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (tests)
     # TLS (docs/router.md): serve https with this certificate and key. The fleet, agents and
@@ -44,8 +53,10 @@ class RouterSettings(BaseSettings):
     # max_batch_size when it sets one, else this. Beyond it requests wait in the router's queue.
     replica_limit: int = Field(default=64, ge=1)
     # The waiting room per deployment: beyond `queue_bound` → 429 with Retry-After; a request
-    # that waits longer than `queue_timeout_s` → 503 with Retry-After.
-    queue_bound: int = Field(default=512, ge=0)
+    # that waits longer than `queue_timeout_s` → 503 with Retry-After. The bound must hold a
+    # burst's backlog (the Azure code trace at 80 % load piles up ~530 waiting requests in
+    # 1 s: docs/router.md); the timeout is what turns away real overload.
+    queue_bound: int = Field(default=2048, ge=0)
     queue_timeout_s: float = Field(default=30.0, gt=0)
     retry_after_s: int = Field(default=1, ge=1)
     # Connect errors and 503s before the first byte go to another replica (this many tries in
@@ -89,6 +100,15 @@ class RouterSettings(BaseSettings):
                 raise ValueError(
                     f"FLEET_ROUTER_{cert.upper()} and FLEET_ROUTER_{key.upper()} go together"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _callers_source(self) -> RouterSettings:
+        if self.client_auth == "keys" and self.table_file is not None and not self.callers_file:
+            raise ValueError(
+                "FLEET_ROUTER_CLIENT_AUTH=keys with a table file needs FLEET_ROUTER_CALLERS_FILE "
+                "(the client keys), or FLEET_ROUTER_CLIENT_AUTH=none"
+            )
         return self
 
     def strategy_for(self, deployment: str) -> str:

@@ -25,8 +25,9 @@ import yaml
 
 from fleet.router.admission import AdmissionQueue
 from fleet.router.config import RouterSettings
-from fleet.router.estimates import Throughput, prior_capacity, stream_rate
+from fleet.router.estimates import Throughput, iteration_costs, prior_capacity, stream_rate
 from fleet.router.pool import DeploymentPool
+from fleet.router.prefix import PrefixIndex, index_capacity
 from fleet.router.priority import table_priorities
 from fleet.router.strategy import Replica, make
 from fleet.tls import client_context
@@ -99,27 +100,33 @@ class WorkerView:
                 url = str(item["url"]).rstrip("/")
                 replica = pool.replicas.get(url)
                 if replica is None:
+                    gpu = str(item.get("gpu_model", ""))
+                    model = str(row.get("model_uri", ""))
+                    tp_size = int(row.get("tp_size") or 1)
                     prior = prior_capacity(
-                        item.get("gpu_model", ""),
-                        row.get("model_uri", ""),
-                        tp_size=int(row.get("tp_size") or 1),
+                        gpu,
+                        model,
+                        tp_size=tp_size,
                         concurrency=limit,
                         prefill_weight=self.settings.prefill_weight,
                     )
                     replica = Replica(
                         url=url,
                         server=item.get("server", ""),
-                        gpu_model=item.get("gpu_model", ""),
+                        gpu_model=gpu,
                         capacity=prior,
                         stream_rate=stream_rate(
-                            item.get("gpu_model", ""),
-                            row.get("model_uri", ""),
-                            tp_size=int(row.get("tp_size") or 1),
-                            prefill_weight=self.settings.prefill_weight,
+                            gpu, model, tp_size=tp_size, prefill_weight=self.settings.prefill_weight
                         ),
                         # Not ready until its agent says so (the first /state poll decides);
                         # a replica listed without an agent (a static table) is taken as ready.
                         ready=not item.get("agent_url"),
+                        prefix=PrefixIndex(index_capacity(gpu, model, tp_size=tp_size)),
+                    )
+                    # Prefill and decode weigh differently on each GPU: the strategy prices a
+                    # request's prompt and answer with the engine cost model's split.
+                    replica.iter_s, replica.token_s, replica.kv_s = iteration_costs(
+                        gpu, model, tp_size=tp_size
                     )
                     pool.throughput[url] = Throughput(prior)
                 replica.models = pool.models
@@ -235,6 +242,9 @@ def apply_agent_state(replicas: list[Replica], state: dict[str, Any]) -> None:
         replica.running = int(row.get("running") or 0)
         kv = row.get("kv_used_fraction")
         replica.kv_use = float(kv) if isinstance(kv, int | float) else None
+        # The engine's prefix-cache hit rate weighs the router's prefix credit (prefix.py)
+        hit = row.get("cache_hit_rate")
+        replica.prefix.engine_rate = float(hit) if isinstance(hit, int | float) else None
         # The agent knows first when a replica restarted on another version (a rollout).
         version = row.get("version")
         if isinstance(version, str) and version:

@@ -87,6 +87,29 @@ class Throughput:
         self._since = now
 
 
+def iteration_costs(gpu_model: str, model: str, *, tp_size: int = 1) -> tuple[float, float, float]:
+    """The engine cost model's iteration time, split as the strategy uses it: (seconds every
+    iteration costs, seconds per token computed — a prompt token or a decoding request —, seconds
+    per context token whose KV cache is read). Decode is bound by memory bandwidth (the first
+    and third), prefill by arithmetic (the second), and the two weigh differently on each GPU:
+    an L40S is ~3.6 x slower than an H200 per decode step but ~2.7 x per prompt token. (0, 0, 0)
+    for hardware the model does not know (the strategy then falls back to `stream_rate`)."""
+    try:
+        shape = cost_model.EngineShape(
+            gpu=cost_model.gpu_spec(gpu_model),
+            model=cost_model.guess_model(model),
+            tp_size=max(1, tp_size),
+        )
+        if cost_model.kv_capacity_blocks(shape) < 1:  # does not fit: nothing to model
+            return (0.0, 0.0, 0.0)
+        base = cost_model.iteration_seconds(shape, 0, 0, 0)
+        per_token = cost_model.iteration_seconds(shape, 1, 0, 0) - base
+        per_kv = (cost_model.iteration_seconds(shape, 0, 0, 1_000_000) - base) / 1_000_000
+    except ValueError:
+        return (0.0, 0.0, 0.0)
+    return (base, per_token, per_kv)
+
+
 def stream_rate(
     gpu_model: str, model: str, *, tp_size: int = 1, prefill_weight: float = PREFILL_WEIGHT
 ) -> float:

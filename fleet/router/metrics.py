@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fleet.router.admission import PRIORITIES
+from fleet.router.callers import ANONYMOUS
 from fleet.router.pool import DeploymentPool
 from fleet.router.strategy import Replica
 from fleet_core.stats import quantile
@@ -31,8 +32,8 @@ class RouterMetrics:
         self.requests = Counter(
             "router_requests_total",
             "Requests answered, by deployment, priority, HTTP status and the model version of "
-            'the replica that answered ("" when none did)',
-            ["deployment", "priority", "code", "version"],
+            'the replica that answered ("" when none did) and the caller\'s tenant',
+            ["deployment", "priority", "code", "version", "tenant"],
             registry=r,
         )
         self.version_attempts = Counter(
@@ -45,14 +46,14 @@ class RouterMetrics:
         self.duration = Histogram(
             "router_request_duration_seconds",
             "Time from the request's arrival to the last byte of its answer",
-            ["deployment"],
+            ["deployment", "tenant"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.first_token = Histogram(
             "router_time_to_first_token_seconds",
             "Time from the request's arrival to the first byte of its answer",
-            ["deployment"],
+            ["deployment", "tenant"],
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
@@ -86,7 +87,8 @@ class RouterMetrics:
         self._tries: dict[tuple[str, str], list[int]] = {}
         self._recent_v: dict[tuple[str, str], _Window] = {}
         self._recent_ttft_v: dict[tuple[str, str], _Window] = {}
-        self._known: set[str] = set()
+        self._known: set[tuple[str, str]] = set()  # (deployment, tenant)
+        self.tenants: tuple[str, ...] = (ANONYMOUS,)  # whose series exist from the start
         self._known_versions: set[tuple[str, str]] = set()
         self._depth_shown: dict[str, int] = {}  # per deployment: the waiting the gauges show
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -103,18 +105,26 @@ class RouterMetrics:
         return child
 
     def finished(
-        self, deployment: str, priority: str, code: str, seconds: float, version: str = ""
+        self,
+        deployment: str,
+        priority: str,
+        code: str,
+        seconds: float,
+        version: str = "",
+        tenant: str = ANONYMOUS,
     ) -> None:
-        self._child(self.requests, deployment, priority, code, version).inc()
+        self._child(self.requests, deployment, priority, code, version, tenant).inc()
         if code == "200":
-            self._child(self.duration, deployment).observe(seconds)
+            self._child(self.duration, deployment, tenant).observe(seconds)
             now = self.clock()
             self._recent.setdefault(deployment, _Window()).add(now, seconds)
             if version:
                 self._recent_v.setdefault((deployment, version), _Window()).add(now, seconds)
 
-    def ttft(self, deployment: str, seconds: float, version: str = "") -> None:
-        self._child(self.first_token, deployment).observe(seconds)
+    def ttft(
+        self, deployment: str, seconds: float, version: str = "", tenant: str = ANONYMOUS
+    ) -> None:
+        self._child(self.first_token, deployment, tenant).observe(seconds)
         now = self.clock()
         self._recent_ttft.setdefault(deployment, _Window()).add(now, seconds)
         if version:
@@ -181,19 +191,27 @@ class RouterMetrics:
         self._child(self.replica_inflight, pool.name, replica.url).set(replica.inflight)
 
     def pool(self, pool: DeploymentPool) -> None:
-        if pool.name not in self._known:
-            # Every series of a deployment exists (at 0) from the moment the router knows it:
-            # the first request's increase is then visible to rate() and the quantiles.
-            self._known.add(pool.name)
-            self.duration.labels(pool.name)
-            self.first_token.labels(pool.name)
+        if (pool.name, "") not in self._known:
+            self._known.add((pool.name, ""))
             self.tokens.labels(pool.name)
+        for tenant in self.tenants:
+            # Every series of a deployment exists (at 0) from the moment the router knows it
+            # (and the tenant): the first request's increase is then visible to rate() and
+            # the quantiles.
+            if (pool.name, tenant) not in self._known:
+                self._known.add((pool.name, tenant))
+                self.duration.labels(pool.name, tenant)
+                self.first_token.labels(pool.name, tenant)
+                for version in (pool.stable, pool.canary) if pool.canary else (pool.stable,):
+                    for priority in PRIORITIES:
+                        self.requests.labels(pool.name, priority, "200", version, tenant)
         # ... and of each version it serves, once known ("": a table without versions)
         for version in (pool.stable, pool.canary) if pool.canary else (pool.stable,):
             if (pool.name, version) not in self._known_versions:
                 self._known_versions.add((pool.name, version))
                 for priority in PRIORITIES:
-                    self.requests.labels(pool.name, priority, "200", version)
+                    for tenant in self.tenants:
+                        self.requests.labels(pool.name, priority, "200", version, tenant)
                 if version:
                     for outcome in ("ok", "error"):
                         self.version_attempts.labels(pool.name, version, outcome)

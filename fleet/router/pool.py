@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from fleet.router.admission import AdmissionQueue, Priority
 from fleet.router.estimates import OutputEstimate, Throughput
 from fleet.router.priority import NONE, ClassFields
-from fleet.router.strategy import PREFILL_WEIGHT, Replica, Request, RoutingStrategy
+from fleet.router.strategy import (
+    PREFILL_WEIGHT,
+    Replica,
+    Request,
+    RoutingStrategy,
+    credits_prefix,
+)
 
 
 class QueueFull(Exception):
@@ -45,6 +51,7 @@ class Ticket:
     started: float
     output_seen: int  # tokens streamed so far
     released: bool
+    booked: int  # prompt tokens booked on the replica: those not expected in its prefix cache
 
     # Written out, not generated: the simulator's compiled build (fleet/sim/native.py) makes
     # one per request, and mypyc compiles only an __init__ it can see.
@@ -55,12 +62,14 @@ class Ticket:
         started: float,
         output_seen: int = 0,
         released: bool = False,
+        booked: int = -1,  # -1: the whole prompt
     ) -> None:
         self.replica = replica
         self.request = request
         self.started = started
         self.output_seen = output_seen
         self.released = released
+        self.booked = booked if booked >= 0 else request.prompt_tokens
 
     def streamed(self, tokens: int) -> None:
         """Tokens seen in the stream: the expected remainder shrinks as they arrive."""
@@ -164,12 +173,17 @@ class DeploymentPool:
     def _book(self, replica: Replica, request: Request) -> Ticket:
         now = self.clock()
         replica.inflight += 1
-        replica.prompt_inflight += request.prompt_tokens
+        prompt = request.prompt_tokens
+        if request.blocks:  # the engine will hold its prompt's blocks (prefix.py)
+            if credits_prefix(self.strategy):  # its prefill work: the tokens not cached there
+                prompt -= int(replica.prefix.cached(request.blocks, prompt))
+            replica.prefix.insert(request.blocks, request.prompt_tokens)
+        replica.prompt_inflight += prompt
         replica.output_left += request.expected_output
         meter = self.throughput.get(replica.url)
         if meter is not None:
             meter.started(now)
-        return Ticket(replica, request, now)
+        return Ticket(replica, request, now, booked=prompt)
 
     async def acquire(
         self,
@@ -236,7 +250,7 @@ class DeploymentPool:
         # max(0, ·) each, spelled out (this runs for every request)
         inflight = replica.inflight - 1
         replica.inflight = inflight if inflight > 0 else 0
-        prompt = replica.prompt_inflight - request.prompt_tokens
+        prompt = replica.prompt_inflight - ticket.booked
         replica.prompt_inflight = prompt if prompt > 0 else 0
         left = request.expected_output - ticket.output_seen
         left = left if left > 0.0 else 0.0
@@ -244,7 +258,7 @@ class DeploymentPool:
         replica.output_left = output_left if output_left > 0.0 else 0.0
         meter = self.throughput.get(replica.url)
         if meter is not None:
-            work = request.prompt_tokens * self.prefill_weight + output_tokens if ok else 0.0
+            work = ticket.booked * self.prefill_weight + output_tokens if ok else 0.0
             meter.finished(now, work)
             replica.capacity = meter.value
         if ok and output_tokens > 0:

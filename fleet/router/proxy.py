@@ -14,6 +14,12 @@ deployment's strategy picks a replica (or the request waits; 429 + Retry-After w
 is full). Connect errors and 503s before the first byte go to another replica (at most
 `attempts` in all); once a byte has reached the client the request stays where it is. SSE
 streams pass through chunk by chunk; the time to the first chunk is the TTFT.
+
+Callers (callers.py, limits.py): with `client_auth` keys, a request needs a client key
+(`Authorization: Bearer fk_…`, else 401); its key's per-minute limits over the rate window and
+its tenant's concurrency share of a contended deployment turn it away with 429 + Retry-After.
+The tenant labels the metrics and the request log (logger `fleet.router.requests`: one line per
+request with tenant, key id, deployment, status and duration; never the key).
 """
 
 from __future__ import annotations
@@ -30,11 +36,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from fleet.router import callers as callers_source
 from fleet.router.admission import PRIORITIES, Priority
+from fleet.router.callers import ANONYMOUS_CALLER, Caller, Callers
 from fleet.router.config import RouterSettings
 from fleet.router.discovery import WorkerView, client_tls
+from fleet.router.limits import KeyLimits, RateLimiter, over_share, share_slots
 from fleet.router.metrics import RouterMetrics
 from fleet.router.pool import DeploymentPool, NoReplica, QueueFull, Ticket
+from fleet.router.prefix import request_blocks
 from fleet.router.priority import with_priority
 from fleet.router.strategy import Request
 from fleet.router.tokens import max_output, prompt_tokens
@@ -42,6 +52,7 @@ from fleet.router.upstream import Response as UpstreamResponse
 from fleet.router.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger(__name__)
+requests_log = logging.getLogger("fleet.router.requests")
 PRIORITY_HEADER = "x-fleet-priority"
 
 
@@ -53,8 +64,25 @@ def openai_error(
     return web.json_response(body, status=status, headers=headers)
 
 
+def unauthenticated(message: str) -> web.Response:
+    error = {"message": message, "type": "authentication_error", "param": None, "code": 401}
+    return web.json_response({"error": error}, status=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+_NOBODY = Caller(KeyLimits(key_id=""), name="", tenant="-")  # a 401's line in the request log
+
+
 class _Retry(Exception):
     """The replica failed before the first byte: try another."""
+
+
+class _Used:
+    """The output tokens a successful try wrote (for the key's token count)."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self) -> None:
+        self.tokens = 0
 
 
 class Router:
@@ -66,8 +94,17 @@ class Router:
         self.view: WorkerView | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._report_refused = False
-        self.polled = asyncio.Event()  # the first routing-table read is over (done or failed)
+        # The first routing-table read (and callers read, with keys) is over, done or failed
+        self.polled = asyncio.Event()
         self.identity = f"{socket.gethostname()}:{os.getpid()}"
+        self.keys = settings.client_auth == "keys"
+        self.callers = Callers()
+        self.callers_ok = not self.keys  # /readyz waits for the first callers read
+        if self.keys:
+            self.metrics.tenants = ()  # the callers' tenants, once read
+        self.limiter = RateLimiter(settings.rate_window_s)
+        self.held: dict[tuple[str, str], int] = {}  # (deployment, tenant) -> in flight + waiting
+        self._first_reads = {"fleet", "callers"} if self.keys else {"fleet"}
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -100,6 +137,10 @@ class Router:
             asyncio.create_task(self._every(s.fleet_poll_s, self.view.poll_fleet, "fleet")),
             asyncio.create_task(self._every(s.agent_poll_s, self.view.poll_agents, "agents")),
         ]
+        if self.keys:
+            self._tasks.append(
+                asyncio.create_task(self._every(s.fleet_poll_s, self._poll_callers, "callers"))
+            )
         if s.report_s > 0 and s.token is not None:
             self._tasks.append(asyncio.create_task(self._every(s.report_s, self._report, "report")))
 
@@ -127,9 +168,29 @@ class Router:
                 if not failing:
                     log.warning("router: %s poll failed: %s", what, exc)
                 failing = True
-            if what == "fleet":
-                self.polled.set()
+            if what in ("fleet", "callers"):
+                self._first_reads.discard(what)
+                if not self._first_reads:
+                    self.polled.set()
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _poll_callers(self) -> None:
+        """The client keys and tenants, from the callers file or the fleet."""
+        s = self.settings
+        if s.callers_file is not None:
+            callers = callers_source.read_file(s.callers_file)
+        else:
+            assert self.http is not None
+            token = s.token.get_secret_value() if s.token is not None else None
+            callers = await callers_source.fetch(self.http, s.fleet_url, token)
+        self.callers = callers
+        self.limiter.forget(callers.ids())
+        tenants = tuple(sorted({c.tenant for c in callers.by_hash.values()}))
+        if tenants != self.metrics.tenants:
+            self.metrics.tenants = tenants
+            for pool in self.view.pools.values() if self.view else []:
+                self.metrics.pool(pool)
+        self.callers_ok = True
 
     async def _report(self) -> None:
         """POST the load per deployment to the fleet (autoscaler signals)."""
@@ -146,9 +207,17 @@ class Router:
             }
         url = f"{self.settings.fleet_url.rstrip('/')}/api/v1/routing/report"
         headers = {"Authorization": f"Bearer {self.settings.token.get_secret_value()}"}
-        body = {"router": self.identity, "deployments": deployments}
+        body: dict[str, Any] = {"router": self.identity, "deployments": deployments}
+        if self.keys:
+            # What this router admitted per limited key over its window: the fleet answers
+            # with the other routers' sums, which count here against the same limits.
+            usage = self.limiter.usage(time.monotonic())
+            body["callers"] = {k: {"requests": r, "tokens": t} for k, (r, t) in usage.items()}
+            body["window_s"] = self.settings.rate_window_s
         timeout = aiohttp.ClientTimeout(total=5)
         async with self.http.post(url, json=body, headers=headers, timeout=timeout) as reply:
+            if reply.status == 200 and self.keys:
+                self._take_others(await reply.json())
             if reply.status == 403 and not self._report_refused:
                 self._report_refused = True
                 log.warning(
@@ -158,6 +227,17 @@ class Router:
                 )
             elif reply.status >= 400 and reply.status != 403:
                 raise RuntimeError(f"POST {url}: HTTP {reply.status}")
+
+    def _take_others(self, answer: Any) -> None:
+        """The other routers' usage per key from the report's answer (none: an older fleet)."""
+        others: dict[str, tuple[float, float]] = {}
+        figures = answer.get("callers") if isinstance(answer, dict) else None
+        for key_id, row in (figures or {}).items():
+            if isinstance(row, dict):
+                requests, tokens = row.get("requests"), row.get("tokens")
+                if isinstance(requests, int | float) and isinstance(tokens, int | float):
+                    others[str(key_id)] = (float(requests), float(tokens))
+        self.limiter.set_others(others, time.monotonic())
 
     def _views_changed(self) -> None:
         assert self.view is not None
@@ -172,7 +252,7 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, _: web.Request) -> web.Response:
-        ok = self.view is not None and self.view.table_ok
+        ok = self.view is not None and self.view.table_ok and self.callers_ok
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def prometheus(self, _: web.Request) -> web.Response:
@@ -217,6 +297,7 @@ class Router:
                                 "capacity": round(r.capacity, 1),
                                 "ejected": r.ejected_until > time.monotonic(),
                                 "version": r.version or None,
+                                "prefix": r.prefix.view(),
                             }
                             for r in p.replicas.values()
                         ],
@@ -235,29 +316,67 @@ class Router:
         return await self._proxy(request, chat=True)
 
     async def _proxy(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        """Authenticate the caller, serve, and log one line (never the key)."""
+        started = time.monotonic()
+        caller = ANONYMOUS_CALLER
+        status = "error"
+        deployment = ""
+        try:
+            if self.keys:
+                authorization = request.headers.get("Authorization")
+                found = self.callers.authenticate(authorization)
+                if found is None:
+                    status, caller = "401", _NOBODY
+                    return unauthenticated(
+                        "unknown or revoked client key"
+                        if authorization
+                        else "a client key is required: Authorization: Bearer fk_…"
+                    )
+                caller = found
+            response, deployment = await self._serve(request, chat, caller, started)
+            status = str(response.status)
+            return response
+        finally:
+            if requests_log.isEnabledFor(logging.INFO):
+                requests_log.info(
+                    "tenant=%s key=%s deployment=%s status=%s duration_s=%.3f",
+                    caller.tenant,
+                    caller.key_id or "-",
+                    deployment or "-",
+                    status,
+                    time.monotonic() - started,
+                )
+
+    async def _serve(
+        self, request: web.Request, chat: bool, caller: Caller, started: float
+    ) -> tuple[web.StreamResponse, str]:
+        """The response, and the deployment it was for ("" when none was found)."""
         raw = await request.read()
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("not an object")
         except ValueError:
-            return openai_error(400, "the body must be a JSON object", "invalid_request_error")
+            error = openai_error(400, "the body must be a JSON object", "invalid_request_error")
+            return error, ""
         model = body.get("model")
         pool = self.view.by_model.get(model) if self.view and isinstance(model, str) else None
         if pool is None or not isinstance(model, str):
             served = ", ".join(sorted(self.view.by_model)) if self.view else ""
-            return openai_error(
+            error = openai_error(
                 404,
                 f"model {model!r} is not served here (served: {served or 'none'})",
                 "invalid_request_error",
             )
+            return error, ""
         priority_text = request.headers.get(PRIORITY_HEADER, "interactive").strip().lower()
         if priority_text not in PRIORITIES:
-            return openai_error(
+            error = openai_error(
                 400,
                 f"{PRIORITY_HEADER} must be interactive or batch, not {priority_text!r}",
                 "invalid_request_error",
             )
+            return error, pool.name
         priority: Priority = "interactive" if priority_text == "interactive" else "batch"
         fields = pool.priorities[priority]
         raw = with_priority(
@@ -267,13 +386,44 @@ class Router:
             model=model,
             prompt_tokens=prompt_tokens(body, chat),
             expected_output=pool.estimate.expected(max_output(body)),
+            blocks=request_blocks(body, chat),
         )
         stream = bool(body.get("stream"))
-        started = time.monotonic()
         tried: set[str] = set()
         s = self.settings
         status = "error"
         version = ""  # of the replica that answered
+        tenant, limits = caller.tenant, caller.limits
+        charged = 0.0  # the tokens counted against the key at admission
+        used = _Used()
+        held_key = (pool.name, tenant)
+        held = self.held.get(held_key, 0)
+        share = self.callers.share(tenant) if self.keys else 1.0
+        if share < 1.0:
+            slots = sum(r.limit for r in pool.replicas.values())
+            if held >= share_slots(share, slots) and over_share(
+                held, share, slots, _contended(pool)
+            ):
+                self.metrics.finished(pool.name, priority, "429", 0.0, "", tenant)
+                error = openai_error(
+                    429,
+                    f"deployment {pool.name!r} is busy and tenant {tenant!r} holds its share "
+                    f"({share:g} of {slots} slots)",
+                    "rate_limit_error",
+                    retry_after=s.retry_after_s,
+                )
+                return error, pool.name
+        if limits.limited:
+            refusal = self.limiter.check(limits, started)
+            if refusal is not None:
+                self.metrics.finished(pool.name, priority, "429", 0.0, "", tenant)
+                error = openai_error(
+                    429, refusal.message, "rate_limit_error", retry_after=refusal.retry_after_s
+                )
+                return error, pool.name
+            charged = cost.prompt_tokens + cost.expected_output
+            self.limiter.admit(limits, started, charged)
+        self.held[held_key] = held + 1
         try:
             for attempt in range(s.attempts):
                 self.metrics.queue_depth(pool)
@@ -283,36 +433,51 @@ class Router:
                     )
                 except QueueFull as exc:
                     status = "429"
-                    return openai_error(
+                    error = openai_error(
                         429, str(exc), "rate_limit_error", retry_after=s.retry_after_s
                     )
+                    return error, pool.name
                 except NoReplica as exc:
                     status = "503"
                     if attempt and tried:
                         exc = NoReplica(f"{exc} (tried {len(tried)} that failed)")
-                    return openai_error(
+                    error = openai_error(
                         503, str(exc), "service_unavailable", retry_after=s.retry_after_s
                     )
+                    return error, pool.name
                 finally:
                     self.metrics.queue_depth(pool)
                 self.metrics.inflight(pool, ticket.replica)
                 try:
-                    response = await self._forward(request, raw, pool, ticket, stream, started)
+                    response = await self._forward(
+                        request, raw, pool, ticket, stream, started, tenant, used
+                    )
                 except _Retry:
                     tried.add(ticket.replica.url)
                     continue
                 status = str(response.status)
                 version = ticket.replica.version
-                return response
+                return response, pool.name
             status = "503"
-            return openai_error(
+            error = openai_error(
                 503,
                 f"deployment {pool.name!r}: {len(tried)} replicas failed before answering",
                 "service_unavailable",
                 retry_after=s.retry_after_s,
             )
+            return error, pool.name
         finally:
-            self.metrics.finished(pool.name, priority, status, time.monotonic() - started, version)
+            now = time.monotonic()
+            left = self.held.get(held_key, 1) - 1
+            if left > 0:
+                self.held[held_key] = left
+            else:
+                self.held.pop(held_key, None)
+            if limits.limited:
+                # What the request used: its prompt and output when answered, else nothing.
+                actual = cost.prompt_tokens + used.tokens if status == "200" else 0
+                self.limiter.settle(limits, now, actual - charged)
+            self.metrics.finished(pool.name, priority, status, now - started, version, tenant)
 
     async def _forward(
         self,
@@ -322,6 +487,8 @@ class Router:
         ticket: Ticket,
         stream: bool,
         started: float,
+        tenant: str,
+        used: _Used,
     ) -> web.StreamResponse:
         """One try on the ticket's replica. Raises _Retry when it failed before any byte
         reached the client; otherwise the response (complete, or a stream cut short)."""
@@ -348,7 +515,9 @@ class Router:
                 ):
                     response = web.StreamResponse(status=200, headers=upstream.headers)
                     await response.prepare(request)  # bytes are out: no retry from here on
-                    output_tokens = await self._relay(upstream, response, pool, ticket, started)
+                    output_tokens = await self._relay(
+                        upstream, response, pool, ticket, started, tenant
+                    )
                     await response.write_eof()
                     ok = True
                     return response
@@ -381,6 +550,7 @@ class Router:
                 self.metrics.attempt(pool.name, ticket.replica.version, error=failed or error)
             self.metrics.inflight(pool, ticket.replica)
             if ok:
+                used.tokens = output_tokens
                 self.metrics.output(pool.name, output_tokens)
 
     async def _relay(
@@ -390,6 +560,7 @@ class Router:
         pool: DeploymentPool,
         ticket: Ticket,
         started: float,
+        tenant: str,
     ) -> int:
         """Pass the SSE stream through chunk by chunk; count its events (one per token chunk)
         and take the usage figure when the engine sends one."""
@@ -399,7 +570,8 @@ class Router:
         first = True
         while chunk := await upstream.read_chunk():
             if first:
-                self.metrics.ttft(pool.name, time.monotonic() - started, ticket.replica.version)
+                elapsed = time.monotonic() - started
+                self.metrics.ttft(pool.name, elapsed, ticket.replica.version, tenant)
                 first = False
             await response.write(chunk)
             pending += chunk
@@ -421,6 +593,16 @@ class Router:
             tokens += seen
             ticket.streamed(seen)
         return usage if usage is not None else tokens
+
+
+def _contended(pool: DeploymentPool) -> bool:
+    """Requests wait in the deployment's room, or no replica could take one more now."""
+    if len(pool.queue):
+        return True
+    now = time.monotonic()
+    return not any(
+        r.ready and r.inflight < r.limit and r.ejected_until <= now for r in pool.replicas.values()
+    )
 
 
 def _usage_tokens(data: bytes) -> int | None:

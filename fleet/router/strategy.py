@@ -12,10 +12,19 @@ speed (an L40S decodes a 70B model at about a quarter of an H200's rate). The st
   outstanding work (prompt tokens in flight, which the router counts exactly, weighted by
   `prefill_weight`, plus the output tokens it still expects of them) plus the request's own cost,
   divided by its measured throughput (`capacity`, work units per second) — but never less than
-  the request's cost at one stream's top speed on that GPU (`stream_rate`, from the cost model).
+  the request's own time there (`own_seconds`): its prompt at that GPU's arithmetic speed, then
+  its expected tokens at that GPU's decode pace for the replica's batch, from the cost model
+  (`iter_s`, `token_s`, `kv_s`; for a GPU the model does not know, one stream's top speed,
+  `stream_rate`).
+- `prefix_aware`: `estimated_completion_time` with a prefix credit: on each replica the request
+  costs its prompt less the tokens that replica's prefix index (prefix.py) expects in its KV
+  cache (`cached`), so a conversation's next turn goes where its history is cached unless that
+  replica's queue or speed costs more than the prefill it saves. The pool books only those
+  uncached tokens as the replica's prefill work.
 - `model_affinity`: a wrapper that keeps a model on the replicas that have it loaded, and lets
   a hot model spread to the others when those are saturated. The default strategy is
-  `estimated_completion_time` behind affinity.
+  `prefix_aware` behind affinity (without a cached prefix it chooses as
+  `estimated_completion_time` does).
 
 A replica at its concurrency limit, not ready, or ejected after failures is never chosen; when
 every replica is, `choose` returns None and the request waits in the router's queue.
@@ -33,6 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fleet.router.prefix import PREFIX_CREDIT, PrefixIndex
+
 PREFILL_WEIGHT = 0.15
 _INF = float("inf")
 STRATEGIES = (
@@ -41,8 +52,9 @@ STRATEGIES = (
     "least_kv",
     "estimated_completion_time",
     "model_affinity",
+    "prefix_aware",
 )
-DEFAULT_STRATEGY = "model_affinity"  # behind it: estimated_completion_time
+DEFAULT_STRATEGY = "model_affinity"  # behind it: prefix_aware
 
 
 @dataclass
@@ -66,8 +78,15 @@ class Replica:
     output_left: float = 0.0  # output tokens the requests in flight are still expected to write
     capacity: float = 1.0  # measured throughput, work units per second (see the module doc)
     stream_rate: float = float("inf")  # one request's top speed alone, work units per second
+    # The cost model's iteration time on its GPU (estimates.iteration_costs; 0: not known):
+    # seconds per iteration, per token computed, per context token read
+    iter_s: float = 0.0
+    token_s: float = 0.0
+    kv_s: float = 0.0
     ejected_until: float = 0.0  # monotonic seconds; after repeated failures
     version: str = ""  # "<model>@<version>" it runs ("": not known, taken as the stable one)
+    # The prompt blocks booked here, as the router pictures the engine's prefix cache (prefix.py)
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)
 
     def available(self, now: float) -> bool:  # (inlined in `_open`)
         return self.ready and self.inflight < self.limit and now >= self.ejected_until
@@ -81,13 +100,21 @@ class Request:
     model: str
     prompt_tokens: int
     expected_output: float  # the deployment's running estimate, capped by max_tokens
+    blocks: tuple[int, ...]  # its prompt's leading-block hashes (prefix.py; () when not known)
 
     # Written out, not generated: the simulator's compiled build (fleet/sim/native.py) makes
     # one per request, and mypyc compiles only an __init__ it can see. (Frozen: set once.)
-    def __init__(self, model: str, prompt_tokens: int, expected_output: float) -> None:
+    def __init__(
+        self,
+        model: str,
+        prompt_tokens: int,
+        expected_output: float,
+        blocks: tuple[int, ...] = (),
+    ) -> None:
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "prompt_tokens", prompt_tokens)
         object.__setattr__(self, "expected_output", expected_output)
+        object.__setattr__(self, "blocks", blocks)
 
     def cost(self, prefill_weight: float = PREFILL_WEIGHT) -> float:
         return self.prompt_tokens * prefill_weight + self.expected_output
@@ -153,15 +180,37 @@ def least_kv() -> _Scored:
     return _Scored("least_kv", lambda r, _: (r.kv_use or 0.0, float(r.inflight)))
 
 
+def own_seconds(replica: Replica, request: Request, fresh: float) -> float:
+    """The request's own seconds on `replica`, by the cost model's iteration time on its GPU
+    (`iter_s`, `token_s`, `kv_s`): its `fresh` prompt tokens (those not in the replica's
+    prefix cache) in one iteration — prefill is bound by arithmetic, `token_s` each — then one
+    decode iteration per expected output token at the replica's batch with this request in it,
+    each reading the KV cache of the prompts in flight and half the outputs — decode is bound
+    by memory bandwidth, so a request's speed depends on its GPU and its batch, not on how
+    much work the others have queued. 0 when the GPU is not known."""
+    output = request.expected_output
+    itl = (
+        replica.iter_s
+        + replica.token_s * (replica.inflight + 1)
+        + replica.kv_s
+        * (replica.prompt_inflight + request.prompt_tokens + 0.5 * (replica.output_left + output))
+    )
+    return replica.iter_s + replica.token_s * fresh + output * itl
+
+
 def completion_time(
     replica: Replica, request: Request, prefill_weight: float = PREFILL_WEIGHT
 ) -> float:
     """Seconds until `replica` would finish `request` after everything it has in flight: the
-    queue view (all the work at the replica's throughput), but never less than the request
-    alone at one stream's top speed — an idle slow GPU still decodes one token per iteration,
-    and its full-batch throughput would make it look faster than a busy fast one."""
+    queue view (all the work at the replica's throughput), but never less than the request's
+    own time at the replica's current batch (`own_seconds`) — an idle slow GPU still decodes
+    one token per iteration, and its full-batch throughput would make it look faster than a
+    busy fast one. Without the cost model's figures for the GPU, the floor is the request at
+    one stream's top speed (`stream_rate`)."""
     cost = request.cost(prefill_weight)
     queued = (replica.work(prefill_weight) + cost) / max(replica.capacity, 1e-9)
+    if replica.token_s > 0.0:
+        return max(queued, own_seconds(replica, request, request.prompt_tokens))
     return max(queued, cost / max(replica.stream_rate, 1e-9))
 
 
@@ -173,27 +222,52 @@ class CompletionTime(_Scored):
     not fall as `output_left` grows (fleet/sim/core.py relies on both)."""
 
     prefill_weight: float = PREFILL_WEIGHT
+    # `prefix_aware`: the request's cost on each replica less the prompt tokens its prefix
+    # index expects cached there (prefix.py: `cached`), each at `prefix_credit` × the
+    # prefill weight (prefix.py: PREFIX_CREDIT, measured)
+    prefix: bool = False
+    prefix_credit: float = 1.0
 
     def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
         rotated = self._rotated(replicas, now)
         if not rotated:
             return None
         weight = self.prefill_weight
-        cost = request.cost(weight)
+        full = request.cost(weight)
+        prompt = request.prompt_tokens
+        output = request.expected_output
+        blocks = request.blocks if self.prefix else ()
+        credit = weight * self.prefix_credit  # work units a cached prompt token takes off
         best = None
         best_t = best_n = 0.0
         inf = _INF
         for r in rotated:  # as completion_time(r, request, weight), float(r.inflight)
+            cached = r.prefix.cached(blocks, prompt) if blocks else 0.0  # the prefix credit
+            # The queue view takes the credit (a bonus: it may go below the request's own
+            # work); the floors below take only the prefill really skipped.
+            cost = full - cached * credit
+            fresh = prompt - cached  # the prompt tokens to prefill
             capacity = r.capacity
             queued = (r.prompt_inflight * weight + r.output_left + cost) / (
                 1e-9 if capacity < 1e-9 else capacity  # max(capacity, 1e-9)
             )
-            rate = r.stream_rate
-            if rate == inf:  # no floor: cost / inf is 0
-                t = 0.0 if queued < 0.0 else queued
+            token_s = r.token_s
+            if token_s > 0.0:  # own_seconds(r, request, fresh)
+                iter_s = r.iter_s
+                itl = (
+                    iter_s
+                    + token_s * (r.inflight + 1)
+                    + r.kv_s * (r.prompt_inflight + prompt + 0.5 * (r.output_left + output))
+                )
+                own = iter_s + token_s * fresh + output * itl
+                t = own if own > queued else queued  # max(queued, own)
             else:
-                alone = cost / (1e-9 if rate < 1e-9 else rate)
-                t = alone if alone > queued else queued  # max(queued, alone)
+                rate = r.stream_rate
+                if rate == inf:  # no floor: cost / inf is 0
+                    t = 0.0 if queued < 0.0 else queued
+                else:
+                    alone = (full - cached * weight) / (1e-9 if rate < 1e-9 else rate)
+                    t = alone if alone > queued else queued  # max(queued, alone)
             if best is None or t < best_t or (t == best_t and r.inflight < best_n):
                 best, best_t, best_n = r, t, float(r.inflight)  # min: the first lowest
         return best
@@ -204,6 +278,19 @@ def estimated_completion_time(prefill_weight: float = PREFILL_WEIGHT) -> _Scored
         "estimated_completion_time",
         lambda r, q: (completion_time(r, q, prefill_weight), float(r.inflight)),
         prefill_weight=prefill_weight,
+    )
+
+
+def prefix_aware(prefill_weight: float = PREFILL_WEIGHT) -> CompletionTime:
+    """`estimated_completion_time` with each replica's prefix credit (prefix.py): a turn goes
+    where its conversation's KV blocks are cached unless that replica's queue or speed costs
+    more than the credit (PREFIX_CREDIT × the prefill weight per cached token) is worth."""
+    return CompletionTime(
+        "prefix_aware",
+        lambda r, q: (completion_time(r, q, prefill_weight), float(r.inflight)),
+        prefill_weight=prefill_weight,
+        prefix=True,
+        prefix_credit=PREFIX_CREDIT,
     )
 
 
@@ -231,6 +318,13 @@ class ModelAffinity:
         return elsewhere if here > self.spread * there else pick
 
 
+def credits_prefix(strategy: RoutingStrategy) -> bool:
+    """Whether `strategy` gives prefix credit (`prefix_aware`, or affinity over it): the pool
+    then books a request's prompt on a replica less the tokens expected cached there."""
+    inner = strategy.inner if isinstance(strategy, ModelAffinity) else strategy
+    return isinstance(inner, CompletionTime) and inner.prefix
+
+
 def make(name: str, prefill_weight: float = PREFILL_WEIGHT) -> RoutingStrategy:
     """A fresh strategy by name (each deployment gets its own: the turn counters are state)."""
     if name == "round_robin":
@@ -242,7 +336,7 @@ def make(name: str, prefill_weight: float = PREFILL_WEIGHT) -> RoutingStrategy:
     if name == "estimated_completion_time":
         return estimated_completion_time(prefill_weight)
     if name == "model_affinity":
-        return ModelAffinity(
-            estimated_completion_time(prefill_weight), prefill_weight=prefill_weight
-        )
+        return ModelAffinity(prefix_aware(prefill_weight), prefill_weight=prefill_weight)
+    if name == "prefix_aware":
+        return prefix_aware(prefill_weight)
     raise ValueError(f"unknown routing strategy {name!r} (one of {', '.join(STRATEGIES)})")

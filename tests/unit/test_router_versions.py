@@ -169,8 +169,8 @@ def test_per_version_figures_count_tries_and_take_p95s_of_the_last_minute() -> N
     assert later[V2] == {"requests": 2, "errors": 1, "p95_s": None, "ttft_p95_s": None}
     text = metrics_text(metrics)
     assert (
-        'router_requests_total{code="500",deployment="d",priority="interactive",version="m@v2"} 1.0'
-        in text
+        'router_requests_total{code="500",deployment="d",priority="interactive",'
+        'tenant="anonymous",version="m@v2"} 1.0' in text
     )
     assert (
         'router_version_attempts_total{deployment="d",outcome="error",version="m@v2"} 1.0' in text
