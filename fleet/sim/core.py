@@ -51,13 +51,14 @@ from fleet.provisioning import placement
 from fleet.provisioning.escalation import escalate
 from fleet.router.admission import AdmissionQueue
 from fleet.router.config import RouterSettings
-from fleet.router.estimates import Throughput, prior_capacity
+from fleet.router.estimates import Throughput, iteration_costs, prior_capacity, stream_rate
 from fleet.router.pool import DeploymentPool, Ticket
 from fleet.router.strategy import (
     CompletionTime,
     ModelAffinity,
     Replica,
     Request,
+    completion_time,
     make,
 )
 from fleet.sim import autoscale as auto
@@ -74,7 +75,7 @@ from fleet_core.cost_model import EngineShape
 from fleet_core.fault_policy import RepairAction, Verdict
 from fleet_core.telemetry import Snapshot
 
-READS_OUTPUT_LEFT = frozenset({"estimated_completion_time", "model_affinity"})
+READS_OUTPUT_LEFT = frozenset({"estimated_completion_time", "model_affinity", "prefix_aware"})
 _NOTHING: frozenset[str] = frozenset()  # no replica excluded
 ROUTER_ATTEMPTS = int(RouterSettings.model_fields["attempts"].default)
 
@@ -288,6 +289,13 @@ class Simulation:
             models=dep.pool.models,
             limit=spec.router_limit or spec.max_batch_size,
             capacity=prior,
+            # as the router's discovery gives them (without them no replica has a speed floor)
+            stream_rate=stream_rate(gpu, spec.model, tp_size=spec.tp_size),
+        )
+        replica = dep.pool.replicas[url]
+        replica.prefix.capacity = engine.max_blocks  # as discovery sizes it (index_capacity)
+        replica.iter_s, replica.token_s, replica.kv_s = iteration_costs(
+            gpu, spec.model, tp_size=spec.tp_size
         )
         dep.pool.throughput[url] = Throughput(prior)
         self._track(dep, url, engine)
@@ -374,8 +382,8 @@ class Simulation:
         strategy = dep.pool.strategy
         if isinstance(strategy, ModelAffinity):
             strategy = strategy.inner
-        if not isinstance(strategy, CompletionTime):
-            todo += decoding.items()
+        if not isinstance(strategy, CompletionTime) or (strategy.prefix and request.blocks):
+            todo += decoding.items()  # (a prefix credit lowers some replicas' cost: no bar)
             return
         now = self.now
         weight = strategy.prefill_weight
@@ -389,13 +397,8 @@ class Simulation:
                 and now >= j.ejected_until
                 and replicas.get(url) is j
             ):
-                # completion_time(j, request, weight), as CompletionTime.choose computes it
-                capacity, rate = j.capacity, j.stream_rate
-                queued = (j.prompt_inflight * weight + j.output_left + cost) / (
-                    1e-9 if capacity < 1e-9 else capacity
-                )
-                alone = cost / (1e-9 if rate < 1e-9 else rate)
-                bar = alone if alone > queued else queued
+                # the same arithmetic as CompletionTime.choose
+                bar = completion_time(j, request, weight)
                 break
         for url, pair in decoding.items():
             m = pair[1]
@@ -410,7 +413,7 @@ class Simulation:
     def _try_route(self, dep: _Dep, r: SimRequest) -> bool:
         pool = dep.pool
         now = self.now
-        request = Request(dep.spec.model, r.prompt, pool.estimate.expected(r.max_tokens))
+        request = Request(dep.spec.model, r.prompt, pool.estimate.expected(r.max_tokens), r.blocks)
         self._refresh(dep, request)
         replica = pool._choose(request, _NOTHING)
         if replica is None:

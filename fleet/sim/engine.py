@@ -15,8 +15,15 @@ stand-in's core (fleet_agent/engine/core.py) and trtllm-serve's defaults:
   stays in the batch as padding (it still costs a decode slot and grows its KV read) until the
   batch ends, although its own answer is complete (streamed) when its last token is written.
 
-Not modelled (yet): prefix-block reuse (every prompt is computed in full), the stand-in's
-text, stop strings.
+- Prefix-block reuse, as the stand-in's (TensorRT-LLM's block reuse): a request's `blocks` are
+  its prompt's leading-block hashes (chained: block k's hash names the prefix up to it; empty:
+  nothing to reuse). When the engine first schedules it, the leading blocks found in the
+  engine's prefix cache are taken as computed (at least one prompt token is left to compute);
+  when its prompt is complete its blocks enter the cache as the most recent, least recently
+  used dropped beyond the KV capacity in blocks. Reused blocks are counted, not shared (the
+  KV read and the reservation are the whole prompt's, as in the stand-in).
+
+Not modelled (yet): the stand-in's text, stop strings.
 
 Speed: the engine advances in BLOCKS. A block is either one iteration that prefills something,
 or a run of decode-only iterations during which the batch does not change: it lasts until the
@@ -58,6 +65,7 @@ class SimRequest:
     output: int  # tokens it will write (the model's true length, known only to the engine)
     max_tokens: int  # what the client asks for: the KV reservation and the router's cap
     deployment: int = 0
+    blocks: tuple[int, ...] = ()  # the prompt's leading-block hashes (prefix reuse; module doc)
     # Filled in by the simulation
     routed: float = NAN  # booked on a replica by the router
     start: float = NAN  # first scheduled by the engine
@@ -71,6 +79,8 @@ class SimRequest:
     computed: int = 0  # prompt tokens computed
     reserved: int = 0  # KV blocks reserved (prompt + max_tokens)
     i0: int = 0  # the engine's iteration count when its first token was written
+    cached: int = 0  # prompt tokens found in the engine's prefix cache
+    looked: bool = False  # the prefix lookup has happened (on its current engine)
 
 
 @dataclass(slots=True, init=False)
@@ -156,6 +166,10 @@ class Engine:
         self._durations = _DURATIONS.setdefault(shape, {})
         self._max_batch = shape.max_batch_size
         self._max_tokens = shape.max_num_tokens
+        # The prefix cache: block hashes, oldest first (module doc); blocks looked up and found
+        self.prefix: dict[int, None] = {}
+        self.prefix_lookups = 0
+        self.prefix_hits = 0
         # Power (fleet/sim/power.py turns it on): each block's per-GPU watts from
         # fleet_core/power_model.py, and under a GPU power limit its capped duration
         self.power = False
@@ -277,6 +291,7 @@ class Engine:
         ):
             raise ValueError(f"request {r.rid} ({r.prompt}+{r.max_tokens}) never fits this engine")
         r.reserved = blocks
+        r.looked = False
         self.waiting.append(r)
         b = self.block
         if b is None:
@@ -285,6 +300,44 @@ class Engine:
         if self.static:
             return False
         return self._replan_or_cut(b, now)
+
+    def prefix_hit_rate(self) -> float:
+        """Prompt blocks found in the prefix cache ÷ blocks looked up (the stand-in's rate)."""
+        return self.prefix_hits / self.prefix_lookups if self.prefix_lookups else 0.0
+
+    def _lookup(self, r: SimRequest) -> None:
+        """First scheduled here: its leading blocks in the prefix cache count as computed."""
+        r.looked = True
+        blocks = r.blocks
+        if not blocks:
+            return
+        cache = self.prefix
+        hit = 0
+        for h in blocks:
+            if h not in cache:
+                break
+            del cache[h]  # the most recent now (as the stand-in's move_to_end)
+            cache[h] = None
+            hit += 1
+        top = (r.prompt - 1) // self._tokens_per_block  # at least one token left to compute
+        if hit > top:
+            hit = top
+        self.prefix_lookups += len(blocks)
+        self.prefix_hits += hit
+        r.cached = r.computed = hit * self._tokens_per_block
+
+    def _remember(self, blocks: tuple[int, ...]) -> None:
+        cache = self.prefix
+        for h in blocks:
+            if h in cache:
+                del cache[h]
+            cache[h] = None
+        excess = len(cache) - self.max_blocks
+        if excess > 0:
+            oldest = iter(cache)
+            drop = [next(oldest) for _ in range(excess)]
+            for h in drop:
+                del cache[h]
 
     # --- blocks --------------------------------------------------------------------------
 
@@ -341,6 +394,8 @@ class Engine:
             for r in context:
                 if budget <= 0 or slots <= 0:
                     break
+                if not r.looked:
+                    self._lookup(r)
                 remaining = r.prompt - r.computed
                 if remaining <= budget:
                     chunk = remaining
@@ -444,6 +499,8 @@ class Engine:
         for r, chunk in b.prefill:
             r.computed += chunk
             if r.computed >= r.prompt:
+                if r.blocks:
+                    self._remember(r.blocks)
                 self.context.remove(r)
                 r.first_token = end
                 r.i0 = it
