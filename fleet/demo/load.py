@@ -4,7 +4,8 @@ Open loop: each request leaves at its scheduled time whatever happened to the on
 closed loop would slow down with the fleet and hide the overload). Each is a streaming
 completion (ignore_eos: exactly the arrival's output tokens) with a prompt of the arrival's
 length (filler text, 4 characters a token: the stand-in's tokenizer); the time to its first
-byte and to its end are recorded. Runs on its own event loop in a thread.
+byte and to its end are recorded. Every request carries the demo tenant's client key
+(`Authorization: Bearer fk_…`): the router requires one. Runs on its own event loop in a thread.
 """
 
 from __future__ import annotations
@@ -36,10 +37,16 @@ class Result:
 
 class Replay:
     def __init__(
-        self, router_url: str, model: str, arrivals: Sequence[Arrival], timeout_s: float = 120
+        self,
+        router_url: str,
+        model: str,
+        arrivals: Sequence[Arrival],
+        client_key: str,
+        timeout_s: float = 120,
     ) -> None:
         self.url = f"{router_url.rstrip('/')}/v1/completions"
         self.model = model
+        self._headers = {"Authorization": f"Bearer {client_key}"}
         self.arrivals = list(arrivals)
         self.timeout_s = timeout_s
         self.results: list[Result] = []
@@ -72,7 +79,9 @@ class Replay:
         assert self.started is not None
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=connector, headers=self._headers
+        ) as http:
             tasks: list[asyncio.Task[None]] = []
             for i, arrival in enumerate(self.arrivals):
                 if self._stop.is_set():

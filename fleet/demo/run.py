@@ -38,6 +38,8 @@ from fleet.demo.view import Sample, line, observe, render
 from fleet.demo.world import (
     AGENT_SETTINGS,
     BOOT_DELAY_S,
+    CLIENT_KEY_FILE,
+    DEMO_TENANT,
     SERVICE_SETTINGS,
     DemoError,
     World,
@@ -217,6 +219,10 @@ def _bring_up(
         "starting the router (estimated completion time behind model affinity; priority to engines)"
     )
     start_router(world)
+    say(
+        f"the clients send tenant {DEMO_TENANT}'s client key (made through the API; the router "
+        f"requires one): it is in {world.workdir / CLIENT_KEY_FILE}"
+    )
     say(f"ready in {time.monotonic() - started:.0f} s")
 
 
@@ -278,7 +284,7 @@ def _run_traffic(
     console: Console,
 ) -> Summary:
     arrivals = plan.mixed_arrivals(trace, timeline, base_rps, names, seed=options.seed)
-    replay = Replay(world.router_url, plan.DEPLOYMENT, arrivals)
+    replay = Replay(world.router_url, plan.DEPLOYMENT, arrivals, world.client_key)
     # Two replicas for the first deployment's launch: the others keep their floors.
     entry = _add_launch(world, timeline, min(2, options.servers - len(names) + 1))
     say(
@@ -387,7 +393,8 @@ def _keep(world: World, say: Callable[[str], None]) -> None:
     say(
         f"--keep: the fleet keeps running. FLEET_URL={world.service_url} "
         f"FLEET_TOKEN={world.admin_token} fleetctl servers list; router at "
-        f"{world.router_url}/v1; Ctrl-C stops everything"
+        f'{world.router_url}/v1 (curl -H "Authorization: Bearer $(cat '
+        f'{world.workdir / CLIENT_KEY_FILE})" ...); Ctrl-C stops everything'
     )
     with contextlib.suppress(KeyboardInterrupt):
         while all(child.running for child in world.children):

@@ -28,6 +28,7 @@ from fleet.lab.harness import (
     Child,
     RouterProcess,
     ServeProcess,
+    create_client_key,
     wait_for,
 )
 from fleet.lab.harness import start_lab as start_colo
@@ -68,12 +69,19 @@ AGENT_SETTINGS = FAST_AGENT_SETTINGS | {
     "FLEET_STANDIN_MODEL": "llama-3.1-70b",
 }
 ROUTER_SETTINGS = {
+    # The default, said here: the demo's clients send a real client key (DEMO_TENANT's).
+    "FLEET_ROUTER_CLIENT_AUTH": "keys",
     "FLEET_ROUTER_FLEET_POLL_S": "1",
     "FLEET_ROUTER_REPORT_S": "1",
     "FLEET_ROUTER_QUEUE_BOUND": "200",
     "FLEET_ROUTER_QUEUE_TIMEOUT_S": "60",
     "FLEET_ROUTER_LOG_LEVEL": "WARNING",
 }
+# The demo's clients: one tenant, one key (no limits), made through the API as `fleetctl tenants
+# create` / `fleetctl keys create` make them; the key in DIR/client-key (0600), never printed.
+DEMO_TENANT = "demo"
+DEMO_KEY_NAME = "demo-load"
+CLIENT_KEY_FILE = "client-key"
 BOOT_DELAY_S = 3.0  # the lab's power-on to agent start (a real server: 10-15 min)
 POWER_FEED_S = 1.0  # the BMCs' power readings follow the modelled draw this often (demo time)
 
@@ -91,6 +99,7 @@ class World:
     service_url: str = ""
     router_url: str = ""
     admin_token: str = ""
+    client_key: str = field(default="", repr=False)  # what the clients send (Bearer)
     children: list[Child] = field(default_factory=list)
     colo: VirtualColo | None = None
     engine: Engine | None = None
@@ -185,6 +194,16 @@ def start_lab(
 
 
 def start_router(world: World) -> None:
+    """The demo tenant's client key first (the router's first callers read holds it: it is
+    ready only after that read), then the router, with a router token (it reads the keys)."""
+    world.client_key = create_client_key(
+        world.service_url,
+        world.admin_token,
+        world.workdir / CLIENT_KEY_FILE,
+        tenant=DEMO_TENANT,
+        name=DEMO_KEY_NAME,
+        error=DemoError,
+    )
     token = make_token(world, "demo-router", "router")
     settings = {"FLEET_ROUTER_FLEET_URL": world.service_url, "FLEET_ROUTER_TOKEN": token}
     router = RouterProcess(

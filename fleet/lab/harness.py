@@ -10,6 +10,8 @@
 - `FAST_SERVICE_SETTINGS`, `SERVING_SETTINGS`, `FAST_AGENT_SETTINGS`: the control loops and the
   agents shortened so that a world settles in seconds instead of minutes; one set, which each
   caller overrides only where its scenario is about that setting.
+- `create_client_key()`: a tenant and a client key through the fleet's API, for a router that
+  requires keys (the default); the key in a 0600 file.
 - `wait_for()` and `free_port()`: the polling and the port every caller needs.
 
 Nothing here is imported by the service itself (an import contract says so): it is the lab's.
@@ -368,6 +370,40 @@ def start_lab(
     return colo
 
 
+def create_client_key(
+    service_url: str,
+    token: str,
+    path: Path,
+    *,
+    tenant: str,
+    name: str,
+    timeout: float = 30.0,
+    error: Callable[[str], Exception] = RuntimeError,
+) -> str:
+    """A client key for the routers (docs/router.md, "Callers"), made through the fleet's API
+    with the calls `fleetctl tenants create` and `fleetctl keys create` make (`token`: operator
+    or admin): the tenant (kept if it exists), then a key for it, unlimited. The key is written
+    to `path`, mode 0600 (the only copy: the fleet keeps its hash), and returned; callers print
+    the path, never the key. A refusal raises `error` saying which call and why."""
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=f"{service_url}/api/v1", headers=headers, timeout=timeout) as api:
+        reply = api.post("/tenants", json={"name": tenant})
+        if reply.status_code not in (201, 409):  # 409: made by an earlier run, kept
+            raise error(f"POST /tenants: HTTP {reply.status_code}: {reply.text[:300]}")
+        reply = api.post("/client-keys", json={"tenant": tenant, "name": name})
+        if reply.status_code != 201:
+            raise error(f"POST /client-keys: HTTP {reply.status_code}: {reply.text[:300]}")
+        key = str(reply.json()["key"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a leftover keeps its mode: made anew, 0600 from the start
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(key + "\n")
+    os.replace(tmp, path)
+    return key
+
+
 def lab_ssh_settings(workdir: Path) -> dict[str, str]:
     """The service's settings for a lab in SSH mode under `workdir`: the lab's client key
     (made now if need be, the same one `start_lab(..., ssh=True)` authorizes on every host), so
@@ -388,6 +424,7 @@ __all__ = [
     "ServeProcess",
     "WaitTimeout",
     "child_env",
+    "create_client_key",
     "free_port",
     "lab_ssh_settings",
     "start_lab",

@@ -216,6 +216,8 @@ def start_router(live: Live, tmp_path: Path) -> RouterProcess:
         "FLEET_ROUTER_TOKEN": live.token(Role.ROUTER, name="router"),
         "FLEET_ROUTER_FLEET_POLL_S": "0.2",
         "FLEET_ROUTER_REPORT_S": "0.3",
+        # About rollouts, not callers: explicitly unauthenticated.
+        "FLEET_ROUTER_CLIENT_AUTH": "none",
     }
     return RouterProcess(tmp_path / "router.log", settings)
 

@@ -75,6 +75,8 @@ def start_router(tmp: Path, upstream: CapturingUpstream, **settings: str) -> Rou
         row("fcfs", upstream, engine="vllm", priority_fields={"interactive": {}, "batch": {}}),
     ]
     table.write_text(json.dumps({"results": rows}))
+    # About the priority field, not callers: explicitly unauthenticated.
+    settings = {"FLEET_ROUTER_CLIENT_AUTH": "none", **settings}
     return RouterProcess(tmp / "router.log", settings, "--table", str(table))
 
 

@@ -167,6 +167,8 @@ def test_a_running_router_reports_its_load_to_the_fleet(
             "FLEET_ROUTER_FLEET_URL": live.url,
             "FLEET_ROUTER_TOKEN": token,
             "FLEET_ROUTER_REPORT_S": "0.2",
+            # About load reports, not callers: explicitly unauthenticated.
+            "FLEET_ROUTER_CLIENT_AUTH": "none",
         }
         table = tmp_path / "table.json"
         table.write_text(

@@ -116,7 +116,12 @@ class Router(RouterProcess):
         n = free_port()  # a number of its own for its files
         self.table = tmp / f"table-{n}.json"
         self.write(replicas)
-        settings = {"FLEET_ROUTER_FLEET_POLL_S": "0.2", **settings}
+        # About routing, not callers (test_router_callers.py): explicitly unauthenticated.
+        settings = {
+            "FLEET_ROUTER_FLEET_POLL_S": "0.2",
+            "FLEET_ROUTER_CLIENT_AUTH": "none",
+            **settings,
+        }
         super().__init__(tmp / f"router-{n}.log", settings, "--table", str(self.table))
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 
@@ -207,8 +212,8 @@ def test_completions_and_streaming_chat_through_the_router(
         )
     metrics = httpx.get(f"{router.url}/metrics").text
     assert (
-        'router_requests_total{code="200",deployment="llama",priority="interactive",version=""} 2.0'
-        in metrics
+        'router_requests_total{code="200",deployment="llama",priority="interactive",'
+        'tenant="anonymous",version=""} 2.0' in metrics
     )
     assert 'router_output_tokens_total{deployment="llama"} 20.0' in metrics
     assert "router_time_to_first_token_seconds_bucket" in metrics
@@ -329,6 +334,6 @@ def test_429_only_when_the_bounded_queue_is_full_and_interactive_overtakes_batch
     assert order == ["first", "interactive", "batch"], router.tail()
     codes = httpx.get(f"{router.url}/metrics").text
     assert (
-        'router_requests_total{code="429",deployment="llama",priority="interactive",version=""} 1.0'
-        in codes
+        'router_requests_total{code="429",deployment="llama",priority="interactive",'
+        'tenant="anonymous",version=""} 1.0' in codes
     )

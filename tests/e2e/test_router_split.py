@@ -123,6 +123,8 @@ def world(tmp_path: Path) -> Iterator[tuple[Doubles, RouterProcess, Path]]:
             "FLEET_ROUTER_FLEET_URL": f"http://127.0.0.1:{doubles.fleet_port}",
             "FLEET_ROUTER_TOKEN": "flt_test-double",
             "FLEET_ROUTER_REPORT_S": "0.2",
+            # About the split by version, not callers: explicitly unauthenticated.
+            "FLEET_ROUTER_CLIENT_AUTH": "none",
         }
         router = RouterProcess(tmp_path / "router.log", settings, "--table", str(path))
         try:
@@ -155,15 +157,12 @@ def test_the_canary_gets_its_share_and_its_failures_are_counted_by_version(
     assert doubles.served[2] == 20 and doubles.served[0] + doubles.served[1] == 180
     assert codes.count(500) == 10 and codes.count(200) == 190
     requests = series(router, "router_requests_total")
-    assert (
-        requests['{code="200",deployment="llama",priority="interactive",version="llama@v1"}'] == 180
+    labels = (
+        '{{code="{}",deployment="llama",priority="interactive",tenant="anonymous",version="{}"}}'
     )
-    assert (
-        requests['{code="500",deployment="llama",priority="interactive",version="llama@v2"}'] == 10
-    )
-    assert (
-        requests['{code="200",deployment="llama",priority="interactive",version="llama@v2"}'] == 10
-    )
+    assert requests[labels.format("200", "llama@v1")] == 180
+    assert requests[labels.format("500", "llama@v2")] == 10
+    assert requests[labels.format("200", "llama@v2")] == 10
     tries = series(router, "router_version_attempts_total")
     assert tries['{deployment="llama",outcome="error",version="llama@v2"}'] == 10
     assert tries['{deployment="llama",outcome="ok",version="llama@v1"}'] == 180

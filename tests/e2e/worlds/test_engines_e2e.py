@@ -163,6 +163,8 @@ def test_one_fleet_three_engines_one_router_and_engines_outlive_their_agent(
         "FLEET_ROUTER_TOKEN": world.api.token,
         "FLEET_ROUTER_FLEET_POLL_S": "0.3",
         "FLEET_ROUTER_REPORT_S": "0.5",
+        # About engines, not callers: explicitly unauthenticated.
+        "FLEET_ROUTER_CLIENT_AUTH": "none",
     }
     router = RouterProcess(tmp_path / "router.log", settings)
     try:

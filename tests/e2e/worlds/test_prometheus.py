@@ -260,6 +260,8 @@ class Router(RouterProcess):
             "FLEET_ROUTER_TOKEN": token,
             "FLEET_ROUTER_FLEET_POLL_S": "0.5",
             "FLEET_ROUTER_REPORT_S": "1",
+            # About the scrape, not callers: explicitly unauthenticated (tenant "anonymous").
+            "FLEET_ROUTER_CLIENT_AUTH": "none",
         }
         super().__init__(base / "router.log", settings)
 

@@ -479,6 +479,8 @@ def test_weights_reach_the_gpus_staged_cached_and_rolled_out(
         "FLEET_ROUTER_TOKEN": world.api.token,
         "FLEET_ROUTER_FLEET_POLL_S": "0.3",
         "FLEET_ROUTER_REPORT_S": "0.5",
+        # About rollouts, not callers: explicitly unauthenticated.
+        "FLEET_ROUTER_CLIENT_AUTH": "none",
     }
     router = RouterProcess(tmp_path / "router.log", settings)
     try:
