@@ -210,12 +210,14 @@ class LoadReport(BaseModel):
 class ReportOutcome(BaseModel):
     """What a report did: rows written, and the deployments it named that the fleet does not
     have (ignored: nothing stored for them; the first MAX_IGNORED_SHOWN named). With `callers`
-    in the report: the other routers' usage per key summed (left out otherwise)."""
+    in the report: the other routers' usage per key summed, and how many other routers share
+    the exchange (both left out otherwise)."""
 
     recorded: int
     ignored: int = 0
     unknown: list[str] = Field(default_factory=list)
     callers: dict[str, KeyUsage] | None = None
+    routers: int | None = None
 
 
 def record_report(
@@ -250,9 +252,9 @@ def record_report(
         session.add(row)
     # A restarted router reports under a new name: its old rows go after an hour.
     session.execute(sa.delete(RouterReport).where(col(RouterReport.at) < at - timedelta(hours=1)))
-    others = None
+    others, peers = None, None
     if report.callers is not None:
-        others = _exchange_usage(session, report, at, at - timedelta(seconds=stale_s))
+        others, peers = _exchange_usage(session, report, at, at - timedelta(seconds=stale_s))
     session.commit()
     unknown = sorted(named - known)
     return ReportOutcome(
@@ -260,15 +262,17 @@ def record_report(
         ignored=len(unknown),
         unknown=unknown[:MAX_IGNORED_SHOWN],
         callers=others,
+        routers=peers,
     )
 
 
 def _exchange_usage(
     session: Session, report: LoadReport, at: datetime, fresh_after: datetime
-) -> dict[str, KeyUsage]:
+) -> tuple[dict[str, KeyUsage], int]:
     """Store the router's usage per key (one row per router) and answer the other routers'
-    usage reported since `fresh_after`, summed per key. A figure over another window is scaled
-    to the reporter's (a router that said no window is taken at the reporter's)."""
+    usage reported since `fresh_after`, summed per key, and how many they are (each router
+    splits a key's headroom with them: fleet/router/limits.py). A figure over another window is
+    scaled to the reporter's (a router that said no window is taken at the reporter's)."""
     assert report.callers is not None
     # As with the load rows, an hour-old row goes; the rest are one per live router: read
     # them all.
@@ -279,14 +283,9 @@ def _exchange_usage(
     mine.at, mine.window_s = at, report.window_s
     mine.callers = {key: usage.model_dump() for key, usage in report.callers.items()}
     session.add(mine)
-    return sum_usage(
-        [
-            (row.callers or {}, row.window_s)
-            for row in rows
-            if row.router != report.router and row.at >= fresh_after
-        ],
-        report.window_s,
-    )
+    others = [row for row in rows if row.router != report.router and row.at >= fresh_after]
+    usage = sum_usage([(row.callers or {}, row.window_s) for row in others], report.window_s)
+    return usage, len(others)
 
 
 def sum_usage(

@@ -8,9 +8,16 @@ bucket has left the window: the window errs on the strict side by at most window
 
 Several routers share a key's limit through the fleet: each sends what it admitted per key over
 its window (`usage`) in its load report and gets the others' sums back (`set_others`), which
-count against the key here until the next answer. The others' figures are a report behind, so
-together the routers may admit more than the limit by what they admit in one report interval
-(docs/router.md, "Callers").
+count against the key here until the next answer. The others' figures are a report behind: if
+each router took all the headroom it knew of, then whenever the window freed on both at once
+(every window, once two routers had filled one together) both would take it, and the key would
+get twice its allowance window after window. So until the next answer a router also keeps to
+its part of the allowance, as of the answer: its own use then, plus an even part of the headroom
+then (the allowance less everyone's use, split among the routers the fleet counted), less its
+part of any overshoot (in proportion to its use). Parts follow use, so a router whose clients
+send more keeps more, and the headroom goes to whoever asks first after the next answer.
+Together the routers may pass the limit by what they admit in one report interval while the
+fleet has not yet counted them all (docs/router.md, "Callers").
 
 Tokens are the prompt's tokens plus the expected output at admission, settled to the prompt plus
 the actual output when the request ends (`settle`). A request is admitted while the key's tokens
@@ -108,6 +115,9 @@ class RateLimiter:
         self.windows: dict[str, KeyWindow] = {}
         self.others: dict[str, tuple[float, float]] = {}  # key id -> (requests, tokens)
         self.others_at = -math.inf  # when the others' figures came
+        # key id -> this router's own (requests, tokens) in the window when they came
+        self.own_at_answer: dict[str, tuple[float, float]] = {}
+        self.peers = 0  # the other routers sharing the fleet's exchange, as it last counted
 
     def allowance(self, per_minute: int) -> float:
         return max(1.0, per_minute * self.window_s / 60.0)
@@ -125,7 +135,8 @@ class RateLimiter:
         rpm, tpm = key.requests_per_minute, key.tokens_per_minute
         if rpm is not None:
             allowed = self.allowance(rpm)
-            excess = own_r + other_r + 1.0 - allowed
+            part = self._part(allowed, key.key_id, 0, other_r, now)
+            excess = max(own_r + other_r + 1.0 - allowed, own_r + 1.0 - part)
             if excess > 1e-9:
                 return Refusal(
                     f"over this key's limit of {rpm} requests per minute",
@@ -134,8 +145,9 @@ class RateLimiter:
         if tpm is not None:
             allowed = self.allowance(tpm)
             used = own_t + other_t
-            if used >= allowed:
-                excess = used - allowed + 1e-6
+            part = self._part(allowed, key.key_id, 1, other_t, now)
+            if used >= allowed or own_t >= part:
+                excess = max(used - allowed, own_t - part) + 1e-6
                 return Refusal(
                     f"over this key's limit of {tpm} tokens per minute",
                     self._retry_after(window, other_t, excess, 2, now),
@@ -167,8 +179,29 @@ class RateLimiter:
             return 0.0, 0.0
         return self.others.get(key_id, (0.0, 0.0))
 
-    def set_others(self, others: dict[str, tuple[float, float]], now: float) -> None:
+    def set_others(
+        self, others: dict[str, tuple[float, float]], now: float, peers: int | None = None
+    ) -> None:
+        """The fleet's answer: the other routers' usage per key, and how many other routers
+        share the exchange (None from a fleet that does not say: as many as use a key)."""
         self.others, self.others_at = others, now
+        self.own_at_answer = self.usage(now)
+        self.peers = peers if peers is not None else (1 if others else 0)
+
+    def _part(self, allowed: float, key_id: str, field: int, others: float, now: float) -> float:
+        """This router's part of a key's allowance (requests: field 0, tokens: 1) until the
+        fleet's next answer (the module doc); the whole allowance while the others are unknown
+        or a window old."""
+        if now - self.others_at > self.window_s or self.peers <= 0:
+            return allowed
+        mine = self.own_at_answer.get(key_id, (0.0, 0.0))[field]
+        spare = allowed - mine - others
+        if spare >= 0:
+            even = spare / (self.peers + 1)
+            # A last whole request would go unused if every part came to less than one: it
+            # goes to the router with the most use (both, on a tie: one over, bounded)
+            return mine + (min(spare, 1.0) if even < 1.0 and mine >= others else even)
+        return mine + spare * mine / (mine + others)  # the overshoot, by use (mine+others > 0)
 
     def usage(self, now: float) -> dict[str, tuple[float, float]]:
         """(requests, tokens) each key was admitted here over the window; idle keys dropped."""

@@ -237,7 +237,10 @@ class Router:
                 requests, tokens = row.get("requests"), row.get("tokens")
                 if isinstance(requests, int | float) and isinstance(tokens, int | float):
                     others[str(key_id)] = (float(requests), float(tokens))
-        self.limiter.set_others(others, time.monotonic())
+        peers = answer.get("routers") if isinstance(answer, dict) else None
+        self.limiter.set_others(
+            others, time.monotonic(), peers if isinstance(peers, int) and peers >= 0 else None
+        )
 
     def _views_changed(self) -> None:
         assert self.view is not None

@@ -270,15 +270,17 @@ class FleetDouble(ThreadedApp):
             self.reports += 1
             self.usage[router] = (now, body.get("callers") or {})
             others: dict[str, dict[str, float]] = {}
+            peers = 0
             for name, (at, usage) in self.usage.items():
                 if name == router or now - at > 30:  # FLEET_ROUTER_REPORT_STALE_S
                     continue
+                peers += 1
                 for key_id, row in usage.items():
                     total = others.setdefault(key_id, {"requests": 0.0, "tokens": 0.0})
                     total["requests"] += row["requests"]
                     total["tokens"] += row["tokens"]
         answer = {"recorded": len(body["deployments"]), "ignored": 0, "unknown": []}
-        return web.json_response({**answer, "callers": others})
+        return web.json_response({**answer, "callers": others, "routers": peers})
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/api/v1/routing", self._routing)
@@ -336,10 +338,11 @@ def test_two_routers_share_one_keys_limit_through_the_fleet(
         f"worst {WINDOW_S:g} s window: {worst} admitted (allowed {allowed:g}); "
         f"total {total} in {seconds:g} s (one limiter: at most {ideal:g}); refused {refused}"
     )
-    # Measured: worst 58 of 40 (both routers fill the first report interval before either
-    # hears of the other), total 211 of at most 200. Without the exchange: ~2 × both.
-    assert worst < 1.75 * allowed
-    assert total <= 1.25 * ideal
+    # Measured: worst 49-50 of 40, total 175-178 of at most 200. Each router taking all the
+    # headroom it knew of: worst 64-78, total 245-291 (both took each window as it freed on
+    # both); without the exchange: ~2 x both.
+    assert worst < 1.5 * allowed
+    assert total <= 1.1 * ideal
 
 
 def test_the_callers_benchmark_runs_standalone() -> None:
@@ -360,3 +363,4 @@ def test_the_callers_benchmark_runs_standalone() -> None:
     # 10 per 2 s window over the noisy clients' 3.5 s: two windows' worth, at most three
     assert 10 <= figures["noisy_admitted"] <= 30
     assert figures["noisy_other"] == 0
+    assert figures["without_key_status"] == figures["unknown_key_status"] == 401

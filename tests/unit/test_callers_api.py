@@ -316,13 +316,15 @@ def test_report_exchanges_usage_between_routers(live: Live, session: Session) ->
 
     usage_a = {"1": {"requests": 10, "tokens": 500.5}, "2": {"requests": 1, "tokens": 0}}
     first = ok(report(client, "a", callers=usage_a, window_s=60))
-    assert first["callers"] == {}  # no other router yet
+    assert first["callers"] == {} and first["routers"] == 0  # no other router yet
     usage_b = {"1": {"requests": 4, "tokens": 100}, "3": {"requests": 2, "tokens": 20}}
     answer_b = ok(report(client, "b", callers=usage_b, window_s=60))
     assert answer_b["callers"] == usage_a | {"2": {"requests": 1.0, "tokens": 0.0}}
     # a sees b's, not its own; c sees a's and b's summed.
     assert ok(report(client, "a", callers=usage_a, window_s=60))["callers"] == usage_b
-    summed = ok(report(client, "c", callers={}, window_s=60))["callers"]
+    answer_c = ok(report(client, "c", callers={}, window_s=60))
+    assert answer_c["routers"] == 2  # a and b: the headroom's split three ways
+    summed = answer_c["callers"]
     assert summed == {
         "1": {"requests": 14.0, "tokens": 600.5},
         "2": {"requests": 1.0, "tokens": 0.0},

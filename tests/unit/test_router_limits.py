@@ -83,15 +83,47 @@ def test_tokens_per_minute_admit_while_under_and_settle_to_the_actual() -> None:
 def test_other_routers_usage_counts_until_a_window_old() -> None:
     limiter = RateLimiter(WINDOW)
     key = KeyLimits("3", requests_per_minute=60)  # 6 per window
-    limiter.set_others({"3": (4.0, 0.0)}, now=10.0)
-    assert admit_all(limiter, key, 10.0) == 2
+    limiter.set_others({"3": (4.0, 0.0)}, now=10.0, peers=1)
+    # 2 of 6 are left; until the fleet answers again this router takes its half of them (the
+    # other router may take the other)
+    assert admit_all(limiter, key, 10.0) == 1
     refusal = limiter.check(key, 10.0)
     assert refusal is not None
     # Own buckets leave at 16.1; the others' 4 free evenly (4 / 6 s): one in 1.5 s
     assert refusal.retry_after_s == 2
+    # The next answer: the other router took nothing more; the last spare one is the busier
+    # router's, not this one's (else both would take it)
+    limiter.set_others({"3": (4.0, 0.0)}, now=10.2, peers=1)
+    assert admit_all(limiter, key, 10.2) == 0
+    limiter.set_others({"3": (1.0, 0.0)}, now=10.3, peers=1)  # now this router is the busier
+    assert admit_all(limiter, key, 10.3) == 2  # half the 4 spare
+    assert limiter.usage(10.3) == {"3": (3.0, 0.0)}
     # The fleet stopped answering: after a whole window the others' figures no longer count
-    assert limiter.others_from("3", 10.0 + WINDOW + 0.01) == (0.0, 0.0)
-    assert limiter.usage(10.0) == {"3": (2.0, 0.0)}
+    assert limiter.others_from("3", 10.3 + WINDOW + 0.01) == (0.0, 0.0)
+
+
+def test_routers_hammering_one_key_keep_its_limit_window_after_window() -> None:
+    """Two routers exchanging usage through a fleet every 0.1 s, both hammered for 20 windows:
+    every window of the key admits at most its allowance, and the total is what one limiter
+    would admit. (Each taking all the headroom it knew of, both took the window's allowance
+    whenever it freed on both at once: twice the limit, window after window.)"""
+    routers = [RateLimiter(WINDOW), RateLimiter(WINDOW)]
+    key = KeyLimits("7", requests_per_minute=60)  # 6 per window
+    reported: list[dict[str, tuple[float, float]]] = [{}, {}]
+    admitted: list[float] = []
+    step, answer_every = 0.01, 10  # hammer every 10 ms; the fleet answers every 0.1 s
+    for tick in range(int(20 * WINDOW / step)):
+        now = tick * step
+        for n, limiter in enumerate(routers):
+            if tick % answer_every == 0:  # report, then take the other's latest figures
+                reported[n] = limiter.usage(now)
+                limiter.set_others(reported[1 - n], now, peers=1)
+            while limiter.check(key, now) is None:
+                limiter.admit(key, now, 0)
+                admitted.append(now)
+    worst = max(sum(1 for t in admitted if start <= t < start + WINDOW) for start in admitted)
+    assert worst <= 6 + 1  # one over: both take a last spare request on a tie of use
+    assert len(admitted) <= 1.05 * 6 * (20 + 1)  # one limiter's, within the ties' few
 
 
 def test_idle_and_forgotten_keys_leave_the_books() -> None:
