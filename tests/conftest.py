@@ -25,6 +25,8 @@ from fleet import db as fleet_db
 from fleet.settings import get_settings
 
 ALEMBIC_TABLE = "alembic_version"
+# A failing test reports its own failure even when pytest's traceback formatting fails.
+pytest_plugins = ["failure_reports"]
 
 
 @pytest.fixture(scope="session", autouse=True)
