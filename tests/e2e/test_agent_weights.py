@@ -368,8 +368,10 @@ def test_bad_versions_err_answer_wrongly_and_slow_down(standin: Any) -> None:
     assert _text(good) == _text(good)  # greedy: the same answer every time
     assert len({_text(wrong) for _ in range(3)}) > 1
 
-    base = _timed(good)
-    assert _timed(slow) > 2.5 * base
+    # 4 x slower per token. The quickest of three each: one sample on a busy machine came
+    # back at 0.31 s against 0.72 s (2.3 x) in CI, the scheduler's noise, not the version's.
+    base = min(_timed(good) for _ in range(3))
+    assert min(_timed(slow) for _ in range(3)) > 2.5 * base
 
 
 # ---------------------------------------------------------------------------------------------
