@@ -15,10 +15,10 @@ from fleet.cli.common import (
     Token,
     Url,
     api_client,
-    err_console,
     handled,
     printable,
     show,
+    show_secret,
     typer_app,
 )
 
@@ -154,18 +154,11 @@ def keys_create(
         parse_lifetime(expires_in)  # one line naming the accepted forms, before any request
         body["expires_in"] = expires_in
     created = api_client(url, token).request("POST", "/api/v1/client-keys", json=body)
-    if output is Output.JSON:
-        show(created, output)
-        return
-    # The value alone on stdout (a script captures it); what it is on stderr.
-    expires = created["expires_at"] or "never"
-    err_console.print(
+    what = (
         f"client key {created['id']} ({printable(created['name'])}) for tenant "
-        f"{printable(created['tenant'])}, expires {expires} (shown this once)",
-        markup=False,
-        highlight=False,
+        f"{printable(created['tenant'])}, expires {created['expires_at'] or 'never'}"
     )
-    typer.echo(created["key"])
+    show_secret(created, "key", what, output)
 
 
 @keys_app.command("list")

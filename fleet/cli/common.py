@@ -275,6 +275,16 @@ def show(
     console.print(table)
 
 
+def show_secret(created: dict[str, Any], secret_field: str, what: str, output: Output) -> None:
+    """A secret shown once at creation (a token, a client key): with `-o json` the whole answer;
+    otherwise the value alone on stdout (a script captures it) and `what` it is on stderr."""
+    if output is Output.JSON:
+        show(created, output)
+        return
+    err_console.print(f"{what} (shown this once)", markup=False, highlight=False)
+    typer.echo(created[secret_field])
+
+
 def cell(value: Any) -> str:
     """A table cell's text: printable, and set as plain text (never read as rich markup)."""
     if value is None:

@@ -16,10 +16,10 @@ from fleet.cli.common import (
     Url,
     api_client,
     database_engine,
-    err_console,
     handled,
     printable,
     show,
+    show_secret,
     typer_app,
 )
 
@@ -111,17 +111,11 @@ agent_tokens_app = typer_app(
 
 
 def _print_minted(minted: dict[str, Any], output: Output) -> None:
-    if output is Output.JSON:
-        show(minted, output)
-        return
-    # The value alone on stdout (a script captures it); what it is on stderr.
-    err_console.print(
+    what = (
         f"agent token {minted['id']} for {printable(minted['server'])}, expires "
-        f"{minted['expires_at']} (shown this once)",
-        markup=False,
-        highlight=False,
+        f"{minted['expires_at']}"
     )
-    typer.echo(minted["token"])
+    show_secret(minted, "token", what, output)
 
 
 @agent_tokens_app.command("mint")

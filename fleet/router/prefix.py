@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from fleet.router.tokens import rendered_chat
 from fleet_core import cost_model
 
 BLOCK_TOKENS = 32  # tokens per KV block (TensorRT-LLM's default tokens_per_block; the cost model's)
@@ -80,29 +81,13 @@ def token_blocks(ids: list[int], block_tokens: int = BLOCK_TOKENS) -> tuple[int,
     return tuple(out)
 
 
-def _text(content: Any) -> str:  # as fleet/router/tokens.py reads a message's content
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return str(content)
-
-
 def request_blocks(body: dict[str, Any], chat: bool) -> tuple[int, ...]:
     """The leading-block hashes of an OpenAI request body's prompt: chat messages rendered as
     the stand-in renders them (and fleet/router/tokens.py counts them), a text prompt as is, a
     token-id prompt by its ids. A batch of prompts (a list of strings) has none: it is not one
     prefix."""
     if chat:
-        messages = body.get("messages") or []
-        rendered = "".join(
-            f"<|{m.get('role', '')}|>\n{_text(m.get('content'))}\n"
-            for m in messages
-            if isinstance(m, dict)
-        )
-        return text_blocks(rendered + "<|assistant|>\n")
+        return text_blocks(rendered_chat(body))
     prompt = body.get("prompt", "")
     if isinstance(prompt, str):
         return text_blocks(prompt)

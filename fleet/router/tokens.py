@@ -23,15 +23,21 @@ def _text(content: Any) -> str:
     return str(content)
 
 
+def rendered_chat(body: dict[str, Any]) -> str:
+    """A chat request's messages as the stand-in renders them into one prompt (Llama-3-style
+    headers), ready for the assistant's turn."""
+    messages = body.get("messages") or []
+    rendered = "".join(
+        f"<|{m.get('role', '')}|>\n{_text(m.get('content'))}\n"
+        for m in messages
+        if isinstance(m, dict)
+    )
+    return rendered + "<|assistant|>\n"
+
+
 def prompt_tokens(body: dict[str, Any], chat: bool) -> int:
     if chat:
-        messages = body.get("messages") or []
-        rendered = "".join(
-            f"<|{m.get('role', '')}|>\n{_text(m.get('content'))}\n"
-            for m in messages
-            if isinstance(m, dict)
-        )
-        return count_tokens(rendered + "<|assistant|>\n")
+        return count_tokens(rendered_chat(body))
     prompt = body.get("prompt", "")
     if isinstance(prompt, list):
         if prompt and all(isinstance(t, int) for t in prompt):
