@@ -40,7 +40,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         )
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return sa.create_engine(url, pool_pre_ping=True, hide_parameters=True, **kwargs)
+    connect_args = {"application_name": "fleet", **kwargs.pop("connect_args", {})}
+    return sa.create_engine(
+        url, pool_pre_ping=True, hide_parameters=True, connect_args=connect_args, **kwargs
+    )
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -57,11 +60,15 @@ def engine_from_settings(settings: Settings) -> Engine:
     url = settings.effective_database_url
     if sa.make_url(url).database in (None, "", ":memory:") and url.startswith("sqlite"):
         return make_engine(url)  # one connection per thread: there is no pool to size
+    extra: dict[str, Any] = {}
+    if not url.startswith("sqlite"):  # how its sessions show in pg_stat_activity
+        extra["connect_args"] = {"application_name": settings.db_application_name}
     return make_engine(
         url,
         pool_size=settings.db_pool_size,
         max_overflow=settings.db_max_overflow,
         pool_timeout=settings.db_pool_timeout_s,
+        **extra,
     )
 
 

@@ -1,7 +1,6 @@
 """Named locks that every service process sharing one database sees.
 
-- **Postgres**: advisory locks. `try_lock` holds a session lock on a connection of its own for
-  as long as its block runs; `transaction_lock` a transaction lock on the caller's session,
+- **Postgres**: advisory locks. `transaction_lock` a transaction lock on the caller's session,
   released when that transaction ends; `PostgresSessionLock` a session lock held across calls
   (the leader's), which Postgres drops with the connection.
 - **SQLite** (one host): an exclusive `flock` on a file beside the database. flock belongs to
@@ -10,8 +9,8 @@
   one process: a thread lock per name.
 
 A lock is named by a string; Postgres keys are its crc32 (`lock_key`), the same for every
-process and release. The interface stays narrow on purpose: the per-server power lock is to
-become a lease that holds no database connection while a BMC answers.
+process and release. Work that must not run twice but may take seconds of I/O (a power action
+on a server) takes a lease instead (fleet/leases.py): a lock here holds a connection.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import fcntl
 import threading
 import zlib
 from collections.abc import Iterator
-from functools import lru_cache
 from pathlib import Path
 from typing import IO
 
@@ -119,47 +117,7 @@ def _local_lock(engine: Engine, name: str, *, wait: bool) -> Iterator[bool]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Held for a block of code
-
-
-@lru_cache(maxsize=4)
-def _lock_engine(url: str, size: int) -> Engine:
-    """Connections that only hold locks, one per lock held at once: such locks must not take
-    the service's own pool (API requests would queue behind slow BMCs), and AUTOCOMMIT keeps
-    them out of "idle in transaction" while the holder takes its time."""
-    return sa.create_engine(
-        url,
-        pool_size=size,
-        max_overflow=0,
-        pool_pre_ping=True,
-        hide_parameters=True,
-        isolation_level="AUTOCOMMIT",
-    )
-
-
-@contextlib.contextmanager
-def try_lock(
-    engine: Engine, name: str, busy: Exception, *, connections: int = 32
-) -> Iterator[None]:
-    """Hold lock `name` for the block, or raise `busy` at once if another holder has it.
-
-    Postgres: a session advisory lock on a connection of its own, from a pool of
-    `connections` kept for locks (at most that many held at once per process)."""
-    if engine.dialect.name == "postgresql":
-        key = lock_key(name)
-        locks = _lock_engine(engine.url.render_as_string(hide_password=False), connections)
-        with locks.connect() as conn:
-            if not conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
-                raise busy
-            try:
-                yield
-            finally:
-                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-        return
-    with _local_lock(engine, name, wait=False) as got:
-        if not got:
-            raise busy
-        yield
+# Held for a transaction
 
 
 @contextlib.contextmanager

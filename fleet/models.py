@@ -1248,3 +1248,14 @@ class PowerSample(SQLModel, table=True):
     mean_w: float
     samples: int
     estimated: bool = False  # some reading in it was an agent-based estimate, not a BMC's
+
+
+class Lease(SQLModel, table=True):
+    """Work that must not run twice at once across service processes, e.g. `power:<server>`
+    (fleet/leases.py): who holds it and until when; gone when the work ends. A row whose
+    expiry has passed belongs to nobody and is taken over by the next taker."""
+
+    name: str = Field(primary_key=True, max_length=200)
+    holder: str = Field(max_length=100, index=True)
+    taken_at: datetime = _ts()
+    expires_at: datetime = _ts()

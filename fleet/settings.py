@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     bmc_backoff_s: float = Field(default=0.5, ge=0)
     # Bulk power actions: BMCs called at once, and the inrush stagger of power-ons per rack.
     bmc_workers: int = Field(default=32, ge=1, le=512)
+    # One power action per server at a time holds a lease row (fleet/leases.py), renewed every
+    # third of `lease_s` while its BMC answers; a crashed holder's server is free after it.
+    lease_s: float = Field(default=30.0, ge=3, le=600)
     power_on_per_rack: int = Field(default=2, ge=1)
     power_on_rack_delay_s: float = Field(default=2.0, ge=0)
     # Once Fleet sends a power action, the reconciler leaves the server alone this long (BMCs
@@ -116,6 +119,8 @@ class Settings(BaseSettings):
     # `api_admission_wait_s` for a slot, then gets 503 with Retry-After; a connection is waited
     # for `db_pool_timeout_s` at most (then 503 too), never the 30 s default. A few at once is
     # all one process can use (the GIL); more only delay its event loop, /healthz included.
+    # How this process's connections show in Postgres's pg_stat_activity (name replicas apart).
+    db_application_name: str = Field(default="fleet", min_length=1, max_length=63)
     db_pool_size: int = Field(default=10, ge=1)
     db_max_overflow: int = Field(default=10, ge=0)
     db_pool_timeout_s: float = Field(default=5.0, gt=0, le=60)

@@ -21,7 +21,7 @@ from datetime import timedelta
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet import locks
+from fleet import leases
 from fleet.bmc import BmcError, PowerDriver, driver_for
 from fleet.bmc.base import ACTIONS as ACTIONS  # re-exported: routes and the CLI name them here
 from fleet.bmc.base import Action as Action
@@ -62,12 +62,14 @@ class ServerBusy(ConflictError):
 
 
 @contextmanager
-def server_power_lock(engine: Engine, server: Server, connections: int = 32) -> Iterator[None]:
+def server_power_lock(
+    engine: Engine, server: Server, ttl_s: float = leases.TTL_S
+) -> Iterator[None]:
     """Held for one power action (or BMC read) on `server`, across service processes; a second
-    one is refused at once (ServerBusy), never queued. Postgres: a session advisory lock on a
-    connection of its own, from `connections` kept for these locks (fleet/locks.py)."""
+    one is refused at once (ServerBusy), never queued. A lease (fleet/leases.py): no database
+    connection is held while the BMC answers."""
     busy = ServerBusy(f"server {server.name}: another power action is in progress")
-    with locks.try_lock(engine, f"fleet.power:{server.name}", busy, connections=connections):
+    with leases.hold(engine, f"power:{server.name}", busy, ttl_s=ttl_s):
         yield
 
 
@@ -91,7 +93,7 @@ def act_on(
     nothing went out."""
     try:
         with (
-            server_power_lock(engine, server, settings.bmc_workers),
+            server_power_lock(engine, server, settings.lease_s),
             drivers(target_for(server, box, settings)) as driver,
         ):
             result = driver.act(action)

@@ -182,7 +182,7 @@ def _reader(
 ) -> Callable[[], Read]:
     def read() -> Read:
         with (
-            server_power_lock(engine, server, settings.bmc_workers),
+            server_power_lock(engine, server, settings.lease_s),
             drivers(target_for(server, box, settings)) as driver,
         ):
             state = driver.power_state()

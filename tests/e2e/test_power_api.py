@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,13 +30,15 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 import yaml
 from fake_bmcs import FakeRedfish, StalledBmc
-from live import YAML, Live, closed_port, serve
+from live import YAML, Live, closed_port, live_settings, serve
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner, Result
 
 from fleet import cli
+from fleet.db import engine_from_settings
 from fleet.lab.ipmi_sim import IpmiSim, free_udp_port
 from fleet.lab.sushy import FakeSystem, SushyEmulator, fake_systems
 from fleet.models import Role
@@ -699,6 +702,84 @@ def test_stalled_bmcs_beyond_the_database_pool_are_waited_on_at_once(lab: Lab, p
     slowest = max(r["seconds"] for r in reports.values())
     # Below 2 × CALL_S: none waited for another's timeout (a pool of 15 made it 2 × CALL_S).
     assert slowest < 2 * CALL_S, sorted(r["seconds"] for r in reports.values())
+
+
+BULK_POOL = {"db_pool_size": 8, "db_max_overflow": 2, "api_max_in_flight": 3}
+
+
+def test_a_bulk_action_on_100_stalled_bmcs_holds_no_more_connections_than_its_pool(
+    live: Live, sushy: Sushy, pg_url: str, db: Engine, tmp_path: Path
+) -> None:
+    """100 BMCs that never answer, all called at once (bmc_workers 100), beside a neighbour
+    holding 30 idle connections on the same Postgres: each ends on its own BMC timeout, and the
+    service never holds more connections than its pool (db_pool_size + db_max_overflow,
+    docs/api.md), read from pg_stat_activity. Per-server power locks used to be session
+    advisory locks, a connection each for the whole BMC call: 100 here."""
+    name = f"fleet-bulk-{os.getpid()}"
+    settings = {**SETTINGS, **BULK_POOL, "bmc_workers": 100, "db_application_name": name}
+    engine = engine_from_settings(live_settings(db, tmp_path, **settings))
+    neighbour = sa.create_engine(
+        pg_url, poolclass=sa.NullPool, connect_args={"application_name": f"{name}-neighbour"}
+    )
+    watcher = sa.create_engine(pg_url, poolclass=sa.NullPool)
+    idle = [neighbour.connect() for _ in range(30)]
+    # The service's own (by its application name), and every session on this test database
+    # but the neighbour's and the watcher's (a pool of some other kind would show there).
+    count_sql = sa.text(
+        "SELECT count(*) FILTER (WHERE application_name = :n), count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name <> :n || '-neighbour'"
+        " AND pid <> pg_backend_pid()"
+    )
+    peak, done = [0, 0], threading.Event()
+
+    def watch() -> None:
+        with watcher.connect() as conn:
+            while not done.is_set():
+                own, every = conn.execute(count_sql, {"n": name}).one()
+                peak[:] = max(peak[0], own), max(peak[1], every)
+                done.wait(0.02)
+
+    stalled = StalledBmc()
+    try:
+        with serve(engine, tmp_path, **settings) as service:
+            lab = Lab(
+                live=service,
+                sushy=sushy,
+                operator=service.client(service.token(Role.OPERATOR, name="ops")),
+                viewer=service.client(service.token(Role.VIEWER, name="viewer")),
+                token="",
+            )
+            servers = {f"hung-{i:03d}": redfish_bmc(stalled.port, str(i)) for i in range(100)}
+            names = list(servers)
+            lab.import_inventory(  # 42 U racks
+                {
+                    f"r{k + 1}": {n: servers[n] for n in names[k * 40 : k * 40 + 40]}
+                    for k in range(3)
+                }
+            )
+            with watcher.connect() as conn:
+                _, before = conn.execute(count_sql, {"n": name}).one()
+            watching = threading.Thread(target=watch, daemon=True)
+            watching.start()
+            reports = lab.power(list(servers), "status")
+            done.set()
+            watching.join(timeout=10)
+            for i, report in enumerate(reports.values()):
+                assert_failed(report, rf_where(stalled.port, str(i)), f"within {CALL_S:g} s")
+            # All at once: none waited for another's BMC (nor for a connection).
+            assert max(r["seconds"] for r in reports.values()) < 2 * CALL_S
+            with db.connect() as conn:
+                assert conn.execute(sa.text("SELECT count(*) FROM lease")).scalar() == 0
+    finally:
+        done.set()
+        stalled.close()
+        for conn in idle:
+            conn.close()
+        for each in (engine, neighbour, watcher):
+            each.dispose()
+    bound = BULK_POOL["db_pool_size"] + BULK_POOL["db_max_overflow"]
+    assert 1 <= peak[0] <= bound, f"{peak[0]} connections at the peak, the pool is {bound}"
+    assert peak[1] - before <= bound, f"{peak[1] - before} more sessions than before the call"
 
 
 def test_redfish_503_is_retried_then_fails_leaving_the_last_observation(lab: Lab) -> None:
