@@ -192,14 +192,19 @@ def test_a_fatal_xid_drains_without_losing_a_request(rig: Rig) -> None:
     pids = engine_pids(rig)
 
     injected_at = time.monotonic()
+    samples_before = rig.agent.counters.snapshots
     key = {"Authorization": f"Bearer {rig.agent.api_key}"}
     fault = {"kind": "xid", "xid": 79, "gpu": 3}
     reply = httpx.post(f"{rig.url}/faults", json=fault, headers=key)
     assert reply.status_code == 200
     wait_for("/readyz false", lambda: not rig.ready(), timeout=5)
+    samples = rig.agent.counters.snapshots - samples_before
     not_ready_after = time.monotonic() - injected_at
-    print(f"readyz false {not_ready_after * 1000:.0f} ms after the Xid")
-    assert not_ready_after <= 1.0
+    print(f"readyz false {not_ready_after * 1000:.0f} ms and {samples} samples after the Xid")
+    # Judged at the first sample after the fault (the one in progress may predate it). Counted
+    # in samples, not seconds: on a loaded CI runner one tick of the agent (8 streams, 4
+    # engines) has taken 1.2 s of wall time.
+    assert samples <= 2
 
     for thread in threads:
         thread.join(timeout=60)
