@@ -61,8 +61,13 @@ def engine_from_settings(settings: Settings) -> Engine:
     if sa.make_url(url).database in (None, "", ":memory:") and url.startswith("sqlite"):
         return make_engine(url)  # one connection per thread: there is no pool to size
     extra: dict[str, Any] = {}
-    if not url.startswith("sqlite"):  # how its sessions show in pg_stat_activity
-        extra["connect_args"] = {"application_name": settings.db_application_name}
+    if not url.startswith("sqlite"):
+        # How its sessions show in pg_stat_activity; psycopg prepares a statement on its 5th
+        # run on a connection, which a transaction-mode pooler (PgBouncer < 1.21) breaks.
+        connect_args: dict[str, Any] = {"application_name": settings.db_application_name}
+        if not settings.db_prepared_statements:
+            connect_args["prepare_threshold"] = None
+        extra["connect_args"] = connect_args
     return make_engine(
         url,
         pool_size=settings.db_pool_size,
@@ -74,21 +79,27 @@ def engine_from_settings(settings: Settings) -> Engine:
 
 def probe_engine(engine: Engine, timeout_s: float = 3.0) -> Engine:
     """An engine without a pool on `engine`'s database, for checks that must not wait behind
-    the requests' pool (the readiness probe); on Postgres, connecting and each statement are
-    bounded by `timeout_s`."""
-    connect_args: dict[str, Any] = {"timeout": timeout_s}
-    if engine.dialect.name == "postgresql":
-        ms = max(int(timeout_s * 1000), 1)
-        connect_args = {
-            "connect_timeout": max(int(timeout_s), 1),
-            "options": f"-c statement_timeout={ms}",
-        }
-    return sa.create_engine(
-        engine.url,
-        poolclass=sa.NullPool,
-        hide_parameters=True,
-        connect_args=connect_args,
+    the requests' pool (the readiness probe); on Postgres, connecting and each transaction's
+    statements are bounded by `timeout_s` (a `SET LOCAL` as each transaction begins, not a
+    startup option, which PgBouncer refuses)."""
+    if engine.dialect.name != "postgresql":
+        return sa.create_engine(
+            engine.url,
+            poolclass=sa.NullPool,
+            hide_parameters=True,
+            connect_args={"timeout": timeout_s},
+        )
+    connect_args = {"connect_timeout": max(int(timeout_s), 1)}
+    probe = sa.create_engine(
+        engine.url, poolclass=sa.NullPool, hide_parameters=True, connect_args=connect_args
     )
+    ms = max(int(timeout_s * 1000), 1)
+
+    def bounded(conn: sa.Connection) -> None:
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+
+    sa.event.listen(probe, "begin", bounded)
+    return probe
 
 
 @contextmanager

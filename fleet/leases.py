@@ -44,7 +44,7 @@ TTL_S = 30.0
 _TABLE = Lease.__table__  # type: ignore[attr-defined]
 
 
-def _holder_token() -> str:
+def holder_token() -> str:
     """Who holds a lease, as operators read it in the table: host, pid and a unique tail."""
     return f"{socket.gethostname()[:60]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
@@ -123,7 +123,7 @@ class Keeper:
         """Hold lease `name` for the block, or raise `busy` at once if another holder has it
         (never queued). A lease lost meanwhile (renewals failing past its expiry) is logged
         when the block ends: the work cannot be called back."""
-        holder = _holder_token()
+        holder = holder_token()
         if not take(self.engine, name, holder, self.ttl_s, self.clock()):
             raise busy
         with self._guard:

@@ -1,8 +1,8 @@
 """Named locks that every service process sharing one database sees.
 
-- **Postgres**: advisory locks. `transaction_lock` a transaction lock on the caller's session,
-  released when that transaction ends; `PostgresSessionLock` a session lock held across calls
-  (the leader's), which Postgres drops with the connection.
+- **Postgres**: a transaction advisory lock on the caller's session (`transaction_lock`),
+  released when that transaction ends (which PgBouncer in transaction mode keeps on one server
+  connection).
 - **SQLite** (one host): an exclusive `flock` on a file beside the database. flock belongs to
   an open file description, so it excludes other threads of this process as well as other
   processes, and the kernel releases it when its holder dies. An in-memory database lives in
@@ -10,7 +10,8 @@
 
 A lock is named by a string; Postgres keys are its crc32 (`lock_key`), the same for every
 process and release. Work that must not run twice but may take seconds of I/O (a power action
-on a server) takes a lease instead (fleet/leases.py): a lock here holds a connection.
+on a server) or be held across calls (the leader's) takes a lease instead (fleet/leases.py):
+a lock here holds a connection.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 
@@ -136,82 +137,3 @@ def transaction_lock(session: Session, name: str) -> Iterator[None]:
         return
     with _local_lock(engine, name, wait=True):
         yield
-
-
-# ---------------------------------------------------------------------------------------------
-# Held across calls: the leader's
-
-
-class PostgresSessionLock:
-    """A session advisory lock on a connection of its own (no pool): the lock lives and dies
-    with exactly one connection. With `idle_timeout_s`, Postgres ends that session once it has
-    been idle that long, and the lock with it: the holder touches it (`held`) well inside."""
-
-    def __init__(self, engine: Engine, name: str, idle_timeout_s: float | None = None) -> None:
-        self.name = name
-        self.key = lock_key(name)
-        self.idle_timeout_s = idle_timeout_s
-        self._engine = sa.create_engine(
-            engine.url, poolclass=sa.NullPool, isolation_level="AUTOCOMMIT", hide_parameters=True
-        )
-        self._conn: Connection | None = None
-
-    @property
-    def connected(self) -> bool:
-        """Whether it holds (or held until it was lost) a lock connection."""
-        return self._conn is not None
-
-    def acquire(self) -> bool:
-        """Try once, without waiting; True once held. Raises sa.exc.DBAPIError when the
-        database cannot be reached or the attempt fails."""
-        if self._conn is not None:
-            return True
-        conn = self._engine.connect()
-        try:
-            if self.idle_timeout_s is not None:
-                timeout_ms = max(int(self.idle_timeout_s * 1000), 1)
-                conn.execute(sa.text(f"SET idle_session_timeout = {timeout_ms}"))
-            got = conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}).scalar()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                conn.close()
-            raise
-        if not got:
-            conn.close()
-            return False
-        self._conn = conn
-        return True
-
-    def held(self) -> bool:
-        """Whether the lock is still held: asks Postgres (which also touches the connection)."""
-        conn = self._conn
-        if conn is None:
-            return False
-        try:
-            return bool(
-                conn.execute(
-                    sa.text(
-                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                        " AND pid = pg_backend_pid() AND objid = :low AND classid = :high"
-                    ),
-                    {"low": self.key & 0xFFFFFFFF, "high": self.key >> 32},
-                ).scalar()
-            )
-        except sa.exc.DBAPIError:
-            return False
-
-    def release(self) -> None:
-        """Unlock (when the connection still answers) and drop the connection."""
-        if self._conn is not None:
-            # A connection that died meanwhile raises (or wants a rollback): nothing to unlock.
-            with contextlib.suppress(sa.exc.SQLAlchemyError):
-                self._conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
-        self.drop()
-
-    def drop(self) -> None:
-        """Let the connection go (the lock was lost, or is being given up)."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.invalidate()
-                conn.close()

@@ -103,9 +103,11 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = Field(default=60.0, gt=0)
     reconcile_failures: int = Field(default=3, ge=1)
     reconcile_unreachable_interval_s: float = Field(default=300.0, gt=0)
-    # Singleton loops run in the leader only. A leader that stops answering (SIGSTOP, a paused
-    # VM) loses the lock after `leader_lease_s` idle; followers try again every loop tick.
-    leader_lease_s: float = Field(default=30.0, gt=0)
+    # Singleton loops run in the leader only, the holder of a lease (fleet/control/leader.py)
+    # renewed every third of `leader_lease_s`. A leader that dies or stops (SIGKILL, SIGSTOP, a
+    # paused VM) loses it after the lease; followers try again every loop tick. A clean exit
+    # gives it back at once.
+    leader_lease_s: float = Field(default=10.0, ge=0.3, le=300)
     # Off: this process serves the API only and never leads (e.g. in tests, or read replicas).
     run_loops: bool = True
     # A leader whose loop ticks fail `leader_step_down_failures` times in a row (all loops
@@ -121,6 +123,9 @@ class Settings(BaseSettings):
     # all one process can use (the GIL); more only delay its event loop, /healthz included.
     # How this process's connections show in Postgres's pg_stat_activity (name replicas apart).
     db_application_name: str = Field(default="fleet", min_length=1, max_length=63)
+    # false behind PgBouncer in transaction mode before 1.21 (Debian 12 has 1.18): server-side
+    # prepared statements live on one server connection, which such a pooler changes under us.
+    db_prepared_statements: bool = True
     db_pool_size: int = Field(default=10, ge=1)
     db_max_overflow: int = Field(default=10, ge=0)
     db_pool_timeout_s: float = Field(default=5.0, gt=0, le=60)

@@ -3,14 +3,14 @@
 Any number of service processes may serve the API; the loops that act on the fleet run in one
 of them, the leader.
 
-- **Postgres**: the leader holds a session-level advisory lock on a connection of its own.
-  A process that dies (SIGKILL, OOM, host crash) loses the connection and with it the lock.
-  A process that is *stopped* (SIGSTOP, a debugger, a VM paused for minutes) keeps its TCP
-  connection open, so the lock alone would never move: the lock connection therefore sets
-  `idle_session_timeout` (Postgres 14+) to the lease, and a heartbeat thread touches it well
-  inside that lease. A stopped leader stops touching it, Postgres ends the session when the
-  lease runs out, and a follower takes the lock at its next attempt. A leader that wakes up
-  finds its connection gone at its next check and steps down before acting.
+- **Postgres**: the leader holds the lease `leader:<name>` (fleet/leases.py: a row with a holder
+  and an expiry `lease_s` ahead), renewed by a heartbeat thread every third of the lease. No
+  connection is held between statements, so PgBouncer in transaction mode is fine. A process
+  that dies or is stopped (SIGSTOP, a debugger, a VM paused for minutes) stops renewing; once
+  the lease has expired a follower takes it at its next attempt. A process that exits cleanly
+  gives the lease back at once. A leader that wakes up after a pause has not confirmed its
+  lease for more than half a lease: it asks the database before it acts, finds the lease taken
+  and steps down.
 - **SQLite** (the embedded default, one host): an exclusive `flock` on a file beside the
   database. The kernel releases it when the process dies.
 
@@ -33,7 +33,9 @@ from typing import Protocol
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from fleet.locks import FileLock, PostgresSessionLock
+from fleet import leases
+from fleet.locks import FileLock
+from fleet.models import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class Leadership(Protocol):
 
 def leadership_for(engine: Engine, name: str, lease_s: float) -> Leadership:
     if engine.dialect.name == "postgresql":
-        return PostgresLeadership(engine, name, lease_s)
+        return LeaseLeadership(engine, name, lease_s)
     database = engine.url.database
     if not database or database == ":memory:":
         return SoleProcess(name)
@@ -93,61 +95,92 @@ class FileLeadership:
             self._lock.release()
 
 
-class PostgresLeadership:
-    """A session advisory lock on a dedicated connection (fleet/locks.py), kept alive by a
-    heartbeat."""
+class LeaseLeadership:
+    """The lease `leader:<name>` (fleet/leases.py), renewed by a heartbeat every third of the
+    lease; no connection is held between statements."""
 
-    def __init__(self, engine: Engine, name: str, lease_s: float) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        lease_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if lease_s <= 0:
             raise ValueError("the leader lease must be positive")
         self.name = name
         self.lease_s = lease_s
-        # Postgres ends the lock's session once it has been idle for the lease: the heartbeat
-        # keeps a live leader well inside it; a stopped one loses the lock.
-        self._lock = PostgresSessionLock(engine, f"fleet.leader:{name}", idle_timeout_s=lease_s)
+        self.lease = f"leader:{name}"
+        self._engine = engine
+        self._clock = clock
         self._guard = threading.Lock()
+        self._holder: str | None = None  # this process's token while it leads
+        self._confirmed_at = 0.0  # when the last renewal that found the lease ours was sent
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
     def is_leader(self) -> bool:
         with self._guard:
-            if self._lock.connected:
-                if self._lock.held():
-                    return True
-                log.warning(
-                    "leader %s: lost the lock (its connection ended); stepping down", self.name
-                )
-                self._drop()
-            return self._try_acquire()
+            # Confirmed within half a lease: nobody can have taken it since. Older (this
+            # process was stopped, or renewals failed): ask the database before acting.
+            fresh = self._clock() - self._confirmed_at < self.lease_s / 2
+            if self._holder is not None and (fresh or self._renew()):
+                return True
+            return self._try_take()
 
     def release(self) -> None:
         self._stop.set()
         with self._guard:
-            self._lock.release()
+            holder, self._holder = self._holder, None
+            if holder is not None:
+                try:
+                    leases.give_back(self._engine, self.lease, holder)
+                except sa.exc.SQLAlchemyError as exc:  # it expires by itself
+                    log.warning("leader %s: lease not given back (%s)", self.name, exc)
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=self.lease_s)
 
     # -----------------------------------------------------------------------------------------
 
-    def _try_acquire(self) -> bool:
+    def _try_take(self) -> bool:
+        holder = leases.holder_token()
         try:
-            got = self._lock.acquire()
-        except sa.exc.DBAPIError as exc:
-            log.warning("leader %s: lock attempt failed: %s", self.name, exc.orig)
+            got = leases.take(self._engine, self.lease, holder, self.lease_s, utcnow())
+        except sa.exc.SQLAlchemyError as exc:
+            log.warning("leader %s: lease attempt failed: %s", self.name, exc)
             return False
         if not got:
             return False
+        self._holder, self._confirmed_at = holder, self._clock()
         log.info("leader %s: this process (%s) now leads", self.name, identity())
         self._start_heartbeat()
         return True
 
-    def _drop(self) -> None:
-        self._stop.set()  # that connection's heartbeat ends with it
-        self._lock.drop()
+    def _renew(self) -> bool:
+        """Push the lease's expiry out; False (and no longer leading) once it is not ours.
+        A renewal that fails for the database keeps the lead until the lease could have run out.
+        Called under the guard."""
+        assert self._holder is not None
+        sent_at = self._clock()
+        try:
+            lost = leases.renew(self._engine, [self._holder], self.lease_s, utcnow())
+        except sa.exc.SQLAlchemyError as exc:
+            if sent_at - self._confirmed_at < self.lease_s:
+                log.warning("leader %s: renewal failed (%s); retried", self.name, exc)
+                return True
+            log.warning("leader %s: renewals failed past the lease (%s)", self.name, exc)
+            lost = {self._holder}
+        if lost:
+            log.warning("leader %s: lost the lease; stepping down", self.name)
+            self._holder = None
+            self._stop.set()
+            return False
+        self._confirmed_at = sent_at
+        return True
 
     def _start_heartbeat(self) -> None:
-        """A fresh heartbeat per lock connection: the one before it was stopped when its
-        connection was dropped, so a quick re-acquire never goes unbeaten."""
+        """A fresh heartbeat per lead: the one before it stopped when the lead was lost."""
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(
             target=self._beat,
@@ -158,14 +191,9 @@ class PostgresLeadership:
         self._heartbeat.start()
 
     def _beat(self, stop: threading.Event) -> None:
-        # Touch the lock connection three times per lease so that it is never idle that long.
         while not stop.wait(self.lease_s / 3):
             with self._guard:
-                if stop.is_set():
-                    return
-                if not self._lock.held():
-                    log.warning("leader %s: heartbeat found the lock gone", self.name)
-                    self._drop()
+                if stop.is_set() or self._holder is None or not self._renew():
                     return
 
 

@@ -1,7 +1,7 @@
 """Leader election (fleet/control/leader.py) for the singleton control loops, against real Postgres.
 
-- Unit level: two `PostgresLeadership` objects contend for one advisory lock in a throwaway
-  database of the test's own; `FileLeadership` (SQLite) contends through flock.
+- Unit level: two `LeaseLeadership` objects contend for one lease in a throwaway database of
+  the test's own; `FileLeadership` (SQLite) contends through flock.
 - Process level (the acceptance tests): two real `fleetctl serve` processes on one migrated
   Postgres database, with a 1 s reconciler interval and a 1 s lease. Exactly one leads; when
   it is SIGKILLed or SIGSTOPped the other takes over within two ticks, and a stopped leader
@@ -36,13 +36,14 @@ import sqlalchemy as sa
 import sqlmodel
 from factories import TEST_SECRET_KEY
 from pg import throwaway_database
+from pgbouncer_peer import pgbouncer_binary, pgbouncer_peer
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
 from fleet import db
 from fleet.control.leader import (
     FileLeadership,
-    PostgresLeadership,
+    LeaseLeadership,
     SoleProcess,
     StepDown,
     identity,
@@ -51,7 +52,7 @@ from fleet.control.leader import (
 from fleet.control.loops import SingletonLoop
 from fleet.lab.harness import LoopMetrics, ServeProcess
 from fleet.lab.harness import wait_for as _wait_for
-from fleet.models import Event
+from fleet.models import Event, Lease, utcnow
 
 T = TypeVar("T")
 
@@ -60,7 +61,7 @@ INTERVAL_S = 1.0
 # Process start-up, scrape and scheduling noise on a loaded 2-core CI machine: an upper bound.
 SLACK_S = 1.5
 # A follower tries for the lock once a tick: it leads at most two ticks after the lock is free
-# (SIGKILL frees it at once; SIGSTOP after at most one lease, and the lease is one interval).
+# (SIGKILL and SIGSTOP free it after at most one lease, and the lease is one interval).
 FAILOVER_BOUND_S = 2 * INTERVAL_S + SLACK_S
 START_TIMEOUT_S = 30.0
 POLL_S = 0.05
@@ -71,7 +72,7 @@ POLL_S = 0.05
 
 @pytest.fixture
 def leader_db(pg_url: str) -> Iterator[str]:
-    """A throwaway Postgres database of this test's own (advisory locks are per database)."""
+    """A throwaway Postgres database of this test's own (its own lease table)."""
     admin = sa.make_url(pg_url).set(database="postgres").render_as_string(hide_password=False)
     with throwaway_database("fleet_leader", admin) as url:
         yield url
@@ -93,38 +94,47 @@ def migrated_engine(leader_engine: Engine) -> Engine:
     return leader_engine
 
 
-def advisory_holders(engine: Engine) -> list[int]:
-    """Backend pids holding an advisory lock in `engine`'s database."""
+def lease_holders(engine: Engine) -> list[str]:
+    """The holders of unexpired leader leases in `engine`'s database."""
     with engine.connect() as conn:
         return list(
             conn.execute(
                 sa.text(
-                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                    " AND database = (SELECT oid FROM pg_database"
-                    " WHERE datname = current_database())"
-                )
+                    "SELECT holder FROM lease WHERE name LIKE 'leader:%' AND expires_at > :now"
+                ),
+                {"now": utcnow()},
             ).scalars()
         )
 
 
-def terminate_backend(engine: Engine, pid: int) -> None:
-    """pg_terminate_backend, waiting (up to 5 s) until the backend is gone."""
-    with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
-    assert pid not in advisory_holders(engine)
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 # ---------------------------------------------------------------------------------------------
-# PostgresLeadership
+# LeaseLeadership
 
 
 @pytest.fixture
-def contender(leader_engine: Engine) -> Iterator[Callable[..., PostgresLeadership]]:
-    """Makes PostgresLeadership objects on the test database; all released at the end."""
-    made: list[PostgresLeadership] = []
+def lease_engine(leader_engine: Engine) -> Engine:
+    """`leader_engine` with the lease table and nothing else."""
+    Lease.__table__.create(leader_engine)  # type: ignore[attr-defined]
+    return leader_engine
 
-    def make(name: str = "control", lease_s: float = LEASE_S) -> PostgresLeadership:
-        leadership = PostgresLeadership(leader_engine, name, lease_s)
+
+@pytest.fixture
+def contender(lease_engine: Engine) -> Iterator[Callable[..., LeaseLeadership]]:
+    """Makes LeaseLeadership objects on the test database; all released at the end."""
+    made: list[LeaseLeadership] = []
+
+    def make(
+        name: str = "control", lease_s: float = LEASE_S, clock: Clock | None = None
+    ) -> LeaseLeadership:
+        leadership = LeaseLeadership(lease_engine, name, lease_s, clock=clock or time.monotonic)
         made.append(leadership)
         return leadership
 
@@ -136,88 +146,88 @@ def contender(leader_engine: Engine) -> Iterator[Callable[..., PostgresLeadershi
 
 
 def test_exactly_one_of_two_leads_and_the_other_takes_over_after_release(
-    contender: Callable[..., PostgresLeadership], leader_engine: Engine
+    contender: Callable[..., LeaseLeadership], leader_engine: Engine
 ) -> None:
     first, second = contender(), contender()
     assert first.is_leader() is True
     assert second.is_leader() is False
     # Asking again re-checks the lock and changes nothing: the same connection keeps it.
-    [holder] = advisory_holders(leader_engine)
+    [holder] = lease_holders(leader_engine)
     assert (first.is_leader(), second.is_leader()) == (True, False)
-    assert advisory_holders(leader_engine) == [holder]
+    assert lease_holders(leader_engine) == [holder]
     # Another name is another lock.
     assert contender("other").is_leader() is True
 
     first.release()
-    assert holder not in advisory_holders(leader_engine)
+    assert holder not in lease_holders(leader_engine)
     assert second.is_leader() is True
     assert first.is_leader() is False
     assert (first.is_leader(), second.is_leader()) == (False, True)
 
 
 def test_the_heartbeat_keeps_a_live_leader_past_its_lease(
-    contender: Callable[..., PostgresLeadership], leader_engine: Engine
+    contender: Callable[..., LeaseLeadership], leader_engine: Engine
 ) -> None:
-    """The lock connection is ended by Postgres after a lease idle; the heartbeat (every third
-    of the lease) keeps a live leader's connection, and so its lock, across several leases."""
+    """The heartbeat (every third of the lease) keeps a live leader's lease across several
+    leases, without anyone asking."""
     leader, follower = contender(), contender()
     assert leader.is_leader()
-    [holder] = advisory_holders(leader_engine)
+    [holder] = lease_holders(leader_engine)
     time.sleep(2.5 * LEASE_S)
-    assert advisory_holders(leader_engine) == [holder]
+    assert lease_holders(leader_engine) == [holder]
     assert follower.is_leader() is False
     assert leader.is_leader() is True
-    assert advisory_holders(leader_engine) == [holder]
+    assert lease_holders(leader_engine) == [holder]
 
 
-def test_a_leader_whose_connection_is_terminated_steps_down(
-    contender: Callable[..., PostgresLeadership],
-    leader_engine: Engine,
+def test_a_paused_leader_whose_lease_was_taken_over_steps_down(
+    contender: Callable[..., LeaseLeadership],
+    lease_engine: Engine,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """A leader paused past its lease (SIGSTOP, a VM frozen): its lease expires, a follower takes
+    it, and the leader asks the database at its next check instead of trusting its flag.
+    (A 30 s lease: no heartbeat renews it during the test; the pause is the leader's clock.)"""
     caplog.set_level(logging.INFO, logger="fleet.control.leader")
-    leader, follower = contender(), contender()
+    paused = Clock()
+    leader, follower = contender(lease_s=30.0, clock=paused), contender(lease_s=30.0)
     assert leader.is_leader() and not follower.is_leader()
-    [holder] = advisory_holders(leader_engine)
+    [holder] = lease_holders(lease_engine)
 
-    terminate_backend(leader_engine, holder)
-    # The heartbeat notices within a third of the lease, without anyone asking.
-    wait_for(
-        "the heartbeat to notice the lost lock",
-        lambda: "heartbeat found the lock gone" in caplog.text or None,
-        timeout=3 * LEASE_S,
-    )
+    with lease_engine.begin() as conn:  # its renewals stopped long ago
+        conn.execute(sa.text("UPDATE lease SET expires_at = :past"), {"past": utcnow()})
+    paused.now += 30.0
     assert follower.is_leader() is True
     assert leader.is_leader() is False
-    [new_holder] = advisory_holders(leader_engine)
+    assert "lost the lease; stepping down" in caplog.text
+    [new_holder] = lease_holders(lease_engine)
     assert new_holder != holder
 
-    # It may lead again once the lock is free, on a new connection.
+    # It may lead again once the lease is free, under a new holder token.
     follower.release()
+    assert lease_holders(lease_engine) == []
     assert leader.is_leader() is True
-    [again] = advisory_holders(leader_engine)
+    [again] = lease_holders(lease_engine)
     assert again not in (holder, new_holder)
 
 
-def test_a_lone_leader_reacquires_on_a_new_connection_after_termination(
-    contender: Callable[..., PostgresLeadership], leader_engine: Engine
+def test_a_paused_leader_whose_lease_nobody_took_keeps_leading(
+    contender: Callable[..., LeaseLeadership], lease_engine: Engine
 ) -> None:
-    leader = contender()
+    """Past half a lease without a confirmation it asks the database; the lease still being its
+    own, it renews it and leads on under the same token (no needless change of leader)."""
+    paused = Clock()
+    leader = contender(lease_s=30.0, clock=paused)
     assert leader.is_leader()
-    [holder] = advisory_holders(leader_engine)
-    terminate_backend(leader_engine, holder)
-    # Its next check finds the connection gone, steps down and, the lock being free, takes it
-    # again on a fresh connection: is_leader() says what holds *now*.
+    [holder] = lease_holders(lease_engine)
+    paused.now += 60.0
     assert leader.is_leader() is True
-    [again] = advisory_holders(leader_engine)
-    assert again != holder
-    assert leader.is_leader() is True
-    assert advisory_holders(leader_engine) == [again]
+    assert lease_holders(lease_engine) == [holder]
 
 
 def test_a_lease_must_be_positive(leader_engine: Engine) -> None:
     with pytest.raises(ValueError, match="lease must be positive"):
-        PostgresLeadership(leader_engine, "control", 0)
+        LeaseLeadership(leader_engine, "control", 0)
 
 
 def test_leadership_for_each_backend(tmp_path: Path) -> None:
@@ -225,7 +235,7 @@ def test_leadership_for_each_backend(tmp_path: Path) -> None:
     sqlite_file = sa.create_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
     memory = sa.create_engine("sqlite://")
     try:
-        assert isinstance(leadership_for(pg, "control", LEASE_S), PostgresLeadership)
+        assert isinstance(leadership_for(pg, "control", LEASE_S), LeaseLeadership)
         by_file = leadership_for(sqlite_file, "control", LEASE_S)
         assert isinstance(by_file, FileLeadership)
         assert by_file.is_leader()
@@ -300,7 +310,7 @@ def test_file_leadership_is_freed_when_its_holder_is_killed(tmp_path: Path) -> N
 
 
 def test_a_failing_leadership_callback_does_not_stop_the_loop(
-    contender: Callable[..., PostgresLeadership],
+    contender: Callable[..., LeaseLeadership],
 ) -> None:
     def event_write_fails(_: bool) -> None:
         raise RuntimeError("cannot write the leadership event")
@@ -319,28 +329,20 @@ def test_a_failing_leadership_callback_does_not_stop_the_loop(
 # StepDown: a leader whose loops keep failing gives the lead away
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_step_down_after_failures_in_a_row_and_back_after_the_backoff(
-    contender: Callable[..., PostgresLeadership], leader_engine: Engine
+    contender: Callable[..., LeaseLeadership], leader_engine: Engine
 ) -> None:
     clock, reasons = Clock(), list[str]()
     leadership = StepDown(contender(), 3, 30.0, on_step_down=reasons.append, clock=clock)
     assert leadership.is_leader()
-    [holder] = advisory_holders(leader_engine)
+    [holder] = lease_holders(leader_engine)
     # A good tick anywhere resets the count: failures must come in a row.
     for ok in (False, False, True, False, False):
         leadership.record(ok, None if ok else "reconciler: OperationalError: gone")
-    assert leadership.is_leader() and advisory_holders(leader_engine) == [holder]
+    assert leadership.is_leader() and lease_holders(leader_engine) == [holder]
 
     leadership.record(False, "provisioner: TimeoutError: QueuePool limit")
-    assert advisory_holders(leader_engine) == [], "the lock must be released at once"
+    assert lease_holders(leader_engine) == [], "the lock must be released at once"
     assert leadership.is_leader() is False and leadership.backing_off
     assert reasons == [
         "3 control-loop ticks failed in a row (last: provisioner: TimeoutError: QueuePool "
@@ -352,7 +354,7 @@ def test_step_down_after_failures_in_a_row_and_back_after_the_backoff(
 
     clock.now += 30.0
     assert leadership.is_leader() is True, "after the back-off it contends again"
-    assert len(advisory_holders(leader_engine)) == 1
+    assert len(lease_holders(leader_engine)) == 1
 
 
 def test_step_down_arguments_are_checked() -> None:
@@ -361,7 +363,7 @@ def test_step_down_arguments_are_checked() -> None:
 
 
 def test_a_failing_leader_hands_the_lead_to_a_healthy_one(
-    contender: Callable[..., PostgresLeadership],
+    contender: Callable[..., LeaseLeadership],
     leader_engine: Engine,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -387,7 +389,7 @@ def test_a_failing_leader_hands_the_lead_to_a_healthy_one(
         assert not sick.stats.leader and sick_lead.backing_off
         assert sick.stats.failed_ticks == 3
         assert "gives up the lead: 3 control-loop ticks failed in a row" in caplog.text
-        assert len(advisory_holders(leader_engine)) == 1
+        assert len(lease_holders(leader_engine)) == 1
     finally:
         sick.stop(timeout=5)
         healthy.stop(timeout=5)
@@ -421,9 +423,9 @@ def test_the_service_loops_step_down_together_and_say_why_in_an_event(
     try:
         assert reconciler.run_once() is True  # leads: the service.leader Event
         assert provisioner.run_once() is True
-        assert advisory_holders(migrated_engine) != []
+        assert lease_holders(migrated_engine) != []
         assert provisioner.run_once() is True  # the second failure in a row: it steps down
-        assert advisory_holders(migrated_engine) == []
+        assert lease_holders(migrated_engine) == []
         assert [loop.run_once() for loop in loops] == [False] * len(loops)
         with Session(migrated_engine) as session:
             events = session.exec(
@@ -521,16 +523,22 @@ wait_for = partial(_wait_for, every=POLL_S)
 
 
 @contextmanager
-def two_services(engine: Engine, tmp_path: Path) -> Iterator[list[Service]]:
-    """Two `fleetctl serve` processes on `engine`'s database, both ready (/readyz) on return;
-    both killed (with their process groups) on the way out, whatever happened."""
-    url = engine.url.render_as_string(hide_password=False)
+def two_services(
+    engine: Engine, tmp_path: Path, url: str | None = None, **settings: str
+) -> Iterator[list[Service]]:
+    """Two `fleetctl serve` processes on `engine`'s database (through `url` if given, with
+    `settings` added), both ready (/readyz) on return; both killed (with their process groups)
+    on the way out, whatever happened."""
+    url = url or engine.url.render_as_string(hide_password=False)
     services: list[Service] = []
     http = httpx.Client()
     try:
         for name in ("one", "two"):
             serve = ServeProcess(
-                name, tmp_path / f"data-{name}", service_settings(url), log=tmp_path / f"{name}.log"
+                name,
+                tmp_path / f"data-{name}",
+                service_settings(url) | settings,
+                log=tmp_path / f"{name}.log",
             )
             serve.spawn()
             services.append(Service(name, serve.proc, serve.url, serve.log, http))
@@ -630,7 +638,7 @@ def test_sigkill_of_the_leader_fails_over_within_two_ticks(
             ("service.leader", leader.process),
             ("service.leader", follower.process),
         ]
-        assert len(advisory_holders(migrated_engine)) == 1
+        assert len(lease_holders(migrated_engine)) == 1
 
 
 def test_sigstop_of_the_leader_fails_over_and_the_sleeper_wakes_as_a_follower(
@@ -644,14 +652,14 @@ def test_sigstop_of_the_leader_fails_over_and_the_sleeper_wakes_as_a_follower(
         stopped_at = time.monotonic()
         sleeper.send(signal.SIGSTOP)
         try:
-            # Its TCP connection stays open: only the lease (idle_session_timeout) frees the lock.
+            # Nothing tells the database it stopped: its lease expires, then the other takes it.
             elapsed = time_to_take_over(successor, stopped_at, services)
         finally:
             sleeper.send(signal.SIGCONT)
         print(f"\nfailover after SIGSTOP: {elapsed:.2f} s (bound {FAILOVER_BOUND_S:.1f} s)")
         assert elapsed <= FAILOVER_BOUND_S, f"failover took {elapsed:.2f} s\n{logs(services)}"
 
-        # Awake again, the old leader finds its lock connection gone at its next tick and steps
+        # Awake again, the old leader finds its lease taken at its next tick and steps
         # down (it may answer a scrape or two with the flag of its last tick before that).
         def stepped_down() -> LoopMetrics | None:
             metrics = sleeper.metrics()
@@ -672,7 +680,7 @@ def test_sigstop_of_the_leader_fails_over_and_the_sleeper_wakes_as_a_follower(
             time.sleep(0.1)
         successor_end = successor.metrics()
         assert successor_end is not None and successor_end.ticks > successor_start.ticks
-        assert len(advisory_holders(migrated_engine)) == 1
+        assert len(lease_holders(migrated_engine)) == 1
 
         def three_events() -> list[tuple[str, str]] | None:
             events = service_events(migrated_engine)
@@ -684,3 +692,32 @@ def test_sigstop_of_the_leader_fails_over_and_the_sleeper_wakes_as_a_follower(
             ("service.leader", successor.process),
             ("service.follower", sleeper.process),
         ]
+
+
+def test_two_services_behind_pgbouncer_in_transaction_mode_fail_over_on_sigkill(
+    migrated_engine: Engine, tmp_path: Path
+) -> None:
+    """The same failover with both services behind Debian's PgBouncer in transaction mode (3
+    server connections for two pools): the leader's lease holds no session state."""
+    if pgbouncer_binary() is None:
+        pytest.skip("pgbouncer not installed (Debian pgbouncer)")
+    database = migrated_engine.url.database
+    assert database
+    with (
+        pgbouncer_peer(server_connections=3) as bouncer,
+        two_services(
+            migrated_engine,
+            tmp_path,
+            bouncer.url(database),
+            FLEET_DB_PREPARED_STATEMENTS="false",
+        ) as services,
+    ):
+        leader, follower = one_leader(services)
+        killed_at = time.monotonic()
+        leader.send(signal.SIGKILL)
+        elapsed = time_to_take_over(follower, killed_at, services)
+        print(f"\nfailover behind PgBouncer: {elapsed:.2f} s (bound {FAILOVER_BOUND_S:.1f} s)")
+        assert elapsed <= FAILOVER_BOUND_S, f"failover took {elapsed:.2f} s\n{logs(services)}"
+        assert lease_holders(migrated_engine) != []
+        assert len(lease_holders(migrated_engine)) == 1
+        assert bouncer.servers(database) <= 3
