@@ -1,7 +1,17 @@
-"""Agent heartbeats against a real `fleetctl serve` on Postgres: a burst, then open-loop rates.
+"""Agent heartbeats against a real `fleetctl serve` on Postgres: a burst, then open-loop rates,
+beside Postgres's own single-row UPDATE rate measured in the same run.
 
     .venv/bin/python bench/heartbeats.py [--rates 60,120,180,240,320] [--seconds 15]
                                          [--burst 200] [--agents 56]
+                                         [--servers 12500] [--processes 1,2]
+
+`bench/heartbeats.py profile [--count 300]` shows where one heartbeat's time goes instead.
+
+`--servers N` imports a generated inventory of N servers (bench/gen_inventory.py) instead of
+the demo's 56, with an agent token each, and every one of them reports (`--agents` is then N):
+the issue's scale is 12,500 servers (100,000 GPUs). `--processes 1,2` runs the whole series
+against one `fleetctl serve`, then against two on the same database, agents split between
+them as a load balancer would (both run the control loops; one leads).
 
 Setup: a throwaway Postgres database on 127.0.0.1:5432, migrated; the demo inventory
 (fleet/data/inventory/demo.yaml, 56 servers) imported; an agent token for each server; `fleetctl
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import secrets
@@ -170,12 +181,20 @@ class Heartbeats:
     connections as agents' HTTP clients keep them (a connection per request in flight, reused
     when its answer is in)."""
 
-    def __init__(self, url: str, tokens: dict[str, str]) -> None:
+    def __init__(
+        self, url: str, tokens: dict[str, str], gpus: dict[str, int] | None = None
+    ) -> None:
         self.hostport = url.removeprefix("http://")
         host, _, port = self.hostport.partition(":")
         self.host, self.port = host, int(port)
         self._payloads = [
-            request_bytes("POST", HEARTBEAT_PATH, self.hostport, heartbeat_body(server), token)
+            request_bytes(
+                "POST",
+                HEARTBEAT_PATH,
+                self.hostport,
+                heartbeat_body(server, (gpus or {}).get(server, GPUS)),
+                token,
+            )
             for server, token in tokens.items()
         ]
         self._next = 0
@@ -236,6 +255,38 @@ class Heartbeats:
                 conn[1].close()
             error = f"{type(exc).__name__}: {exc}"
             return Answer(started, time.monotonic() - started, None, None, error)
+
+
+class Spread:
+    """Agents split between several services (a load balancer's round-robin by agent): each
+    service's `Heartbeats` holds its share of the agents; requests take the services in turn."""
+
+    def __init__(
+        self, urls: Sequence[str], tokens: dict[str, str], gpus: dict[str, int] | None = None
+    ) -> None:
+        servers = list(tokens)
+        self.parts = [
+            Heartbeats(url, {s: tokens[s] for s in servers[i :: len(urls)]}, gpus)
+            for i, url in enumerate(urls)
+        ]
+        self._next = 0
+
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        async def go() -> T:
+            try:
+                return await work
+            finally:
+                for part in self.parts:
+                    idle, part._idle = part._idle, []
+                    for _, writer in idle:
+                        writer.close()
+
+        return asyncio.run(go())
+
+    def one(self) -> Coroutine[Any, Any, Answer]:
+        part = self.parts[self._next % len(self.parts)]
+        self._next += 1
+        return part.one()
 
 
 async def burst(make: Callable[[], Awaitable[Answer]], n: int) -> list[Answer]:
@@ -311,8 +362,20 @@ def prober(url: str, seconds: float, every: float = 0.05) -> Iterator[list[tuple
 # The world: a database with the demo inventory, agent tokens, the service
 
 
-def prepare_database(url: str, secret_key: str) -> dict[str, str]:
-    """Migrate, import the demo inventory, and an agent token per server ({server: token})."""
+def prepare_database(url: str, secret_key: str, servers: int | None = None) -> dict[str, str]:
+    """Migrate, import the demo inventory (or a generated one of `servers` servers), and an
+    agent token per server ({server: token})."""
+    return prepare_fleet(url, secret_key, servers)[0]
+
+
+def prepare_fleet(
+    url: str, secret_key: str, servers: int | None = None
+) -> tuple[dict[str, str], dict[str, int]]:
+    """`prepare_database`, and each server's GPU count ({server: gpus})."""
+    import yaml
+    from gen_inventory import generate
+    from sqlmodel import select
+
     from fleet import db
     from fleet.auth import create_token
     from fleet.crypto import SecretBox
@@ -323,18 +386,54 @@ def prepare_database(url: str, secret_key: str) -> dict[str, str]:
     engine = db.make_engine(url)
     try:
         db.upgrade(engine)
-        inventory = parse_inventory(DEMO_INVENTORY.read_bytes())
+        text = DEMO_INVENTORY.read_bytes() if servers is None else yaml.safe_dump(generate(servers))
+        inventory = parse_inventory(text)
         with db.session_scope(engine) as session:
             import_inventory(session, inventory, SecretBox(secret_key.encode()), "bench")
-        tokens = {}
+        tokens, gpus = {}, {}
         with db.session_scope(engine) as session:
-            from sqlmodel import select
-
-            for name in session.exec(select(Server.name).order_by(Server.name)).all():
+            rows = session.exec(select(Server.name, Server.gpu_count).order_by(Server.name))
+            for name, count in rows.all():
                 tokens[name] = create_token(session, f"agent-{name}"[:60], Role.AGENT, name)
-        return tokens
+                gpus[name] = count
+        return tokens, gpus
     finally:
         engine.dispose()
+
+
+def postgres_update_rate(url: str, clients: int, seconds: float = 3.0) -> float:
+    """Postgres's own pace on this machine: single-row UPDATEs of `server` (its heartbeat
+    column, autocommit, one round trip each) per second from `clients` threads, each on a
+    connection of its own, by psycopg without SQLAlchemy."""
+    import threading
+
+    import psycopg
+    import sqlalchemy as sa
+
+    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn) as conn:
+        ids = [row[0] for row in conn.execute("SELECT id FROM server ORDER BY id")]
+    done: list[int] = []
+    deadline = time.monotonic() + seconds
+
+    def client(k: int) -> None:
+        n = 0
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while time.monotonic() < deadline:
+                conn.execute(
+                    "UPDATE server SET last_heartbeat_at = now() WHERE id = %s",
+                    (ids[(k + n * clients) % len(ids)],),
+                )
+                n += 1
+        done.append(n)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(done) / (time.monotonic() - started)
 
 
 @contextmanager
@@ -356,11 +455,16 @@ def throwaway_database() -> Iterator[str]:
 
 
 def start_service(
-    database_url: str, secret_key: str, data_dir: Path, log: Path, **settings: str
+    database_url: str,
+    secret_key: str,
+    data_dir: Path,
+    log: Path,
+    name: str = "serve",
+    **settings: str,
 ) -> ServeProcess:
     """`fleetctl serve` with its loops on (settings: `name=value` for FLEET_NAME), ready."""
     service = ServeProcess(
-        "serve",
+        name,
         data_dir,
         {
             "FLEET_DATABASE_URL": database_url,
@@ -422,6 +526,166 @@ def show(label: str, figures: dict[str, Any], healthz: Sequence[tuple[float, ...
     )
 
 
+def series(
+    url: str,
+    key: str,
+    tmp: Path,
+    tokens: dict[str, str],
+    gpus: dict[str, int],
+    count: int,
+    rates: Sequence[float],
+    args: argparse.Namespace,
+) -> int:
+    """The burst and the open-loop rates against `count` services; the errors counted."""
+    overrides = dict(item.split("=", 1) for item in args.set)
+    if args.servers is not None:
+        # Generated BMC addresses are not all on 127.0.0.1 (bench/gen_inventory.py): no loop may
+        # call them. Measured then: the API alone.
+        overrides.setdefault("run_loops", "false")
+    services = [
+        start_service(url, key, tmp / f"data{i}", tmp / f"serve{i}.log", f"serve{i}", **overrides)
+        for i in range(count)
+    ]
+    errors: int = 0
+    try:
+        print(f"{count} × fleetctl serve, heartbeats of each server's GPUs", flush=True)
+        if overrides.get("run_loops", "true") != "false":
+            for service in services:
+                wait_settled(service.url)
+        beats = Spread([service.url for service in services], tokens, gpus)
+        probed = services[0].url
+        with prober(probed, 3600) as healthz:
+            started = time.monotonic()
+            answers = beats.run(burst(beats.one, args.burst))
+            wall = time.monotonic() - started
+            time.sleep(1.0)
+        figures = summary(answers, wall)
+        errors += int(figures["errors"])
+        show(f"burst {args.burst}", figures, healthz)
+        print(f"  {'':<14} wall {wall:.2f} s", flush=True)
+        for rate in rates:
+            time.sleep(2.0)  # let the previous rate's backlog drain
+            cpu = sum(cpu_seconds(service.proc.pid) for service in services)
+            with prober(probed, 3600) as healthz:
+                answers = beats.run(open_loop(beats.one, rate, args.seconds))
+            figures = summary(answers, args.seconds)
+            used = sum(cpu_seconds(service.proc.pid) for service in services) - cpu
+            figures["cpu"] = used / args.seconds
+            errors += int(figures["errors"])
+            show(f"{rate:g}/s", figures, healthz)
+    finally:
+        for service in services:
+            service.kill()
+    return errors
+
+
+def profile(count: int) -> None:
+    """Where one heartbeat's time goes, in-process (the ASGI app through Starlette's test
+    client on a throwaway Postgres database, loops off): the statements it runs and the time
+    spent in the database driver (SQLAlchemy's cursor events), and, when `yappi` is installed
+    (it profiles every thread: the route runs in a worker thread), CPU by package."""
+    import base64
+    from collections import Counter as Tally
+
+    import sqlalchemy as sa
+    from fastapi.testclient import TestClient
+    from pydantic import SecretStr
+
+    from fleet import db
+    from fleet.api.app import create_app
+    from fleet.settings import Settings
+
+    key = base64.urlsafe_b64encode(os.urandom(32)).decode()
+    with tempfile.TemporaryDirectory() as tmp, throwaway_database() as url:
+        tokens, gpus = prepare_fleet(url, key)
+        settings = Settings(
+            database_url=url, secret_key=SecretStr(key), run_loops=False, data_dir=Path(tmp)
+        )
+        engine = db.engine_from_settings(settings)
+        statements: Tally[str] = Tally()
+        in_driver = [0.0]
+        began: dict[int, float] = {}
+
+        def before(_c: Any, cursor: Any, *_: Any) -> None:
+            began[id(cursor)] = time.perf_counter()
+
+        def after(_c: Any, cursor: Any, statement: str, *_: Any) -> None:
+            in_driver[0] += time.perf_counter() - began.pop(id(cursor), time.perf_counter())
+            statements[" ".join(statement.split())[:70]] += 1
+
+        sa.event.listen(engine, "before_cursor_execute", before)
+        sa.event.listen(engine, "after_cursor_execute", after)
+        bodies = [(heartbeat_body(s, gpus[s]), t) for s, t in tokens.items()]
+        with TestClient(create_app(settings, engine)) as client:
+
+            def beat(n: int) -> None:
+                for i in range(n):
+                    body, token = bodies[i % len(bodies)]
+                    reply = client.post(
+                        HEARTBEAT_PATH,
+                        content=body,
+                        headers={
+                            "Authorization": f"Bearer {token}",
+                            "Content-Type": "application/json",
+                        },
+                    )
+                    assert reply.status_code == 200, reply.text
+
+            beat(len(bodies))  # each server's first report writes more (GPU rows, events)
+            statements.clear()
+            in_driver[0] = 0.0
+            started = time.perf_counter()
+            beat(count)
+            wall = time.perf_counter() - started
+            print(
+                f"{count} heartbeats in-process: {wall / count * 1000:.2f} ms each (wall, with "
+                f"the test client), {sum(statements.values()) / count:.1f} statements, "
+                f"{in_driver[0] / count * 1000:.2f} ms in the database driver"
+            )
+            for statement, n in statements.most_common():
+                print(f"  {n / count:4.1f} × {statement}")
+            try:  # optional: not a dependency of the project
+                yappi: Any = importlib.import_module("yappi")
+            except ImportError:
+                print("(pip install yappi for CPU by package)")
+                return
+            yappi.set_clock_type("cpu")
+            yappi.start(builtins=False)
+            beat(count)
+            yappi.stop()
+            total = sum(t.ttot for t in yappi.get_thread_stats())
+            shares: Tally[str] = Tally()
+            for stat in yappi.get_func_stats():
+                module = stat.module.replace(os.sep, "/")
+                package = next(
+                    (p for p in _PACKAGES if f"/{p}/" in module or module.endswith(f"/{p}.py")),
+                    "other",
+                )
+                shares[package] += stat.tsub
+            print(f"CPU by package (yappi; {total / count * 1000:.1f} ms per heartbeat profiled):")
+            for package, seconds in shares.most_common(12):
+                print(f"  {package:<12} {seconds / total * 100:5.1f} %")
+        engine.dispose()
+
+
+_PACKAGES = (
+    "sqlalchemy",
+    "psycopg",
+    "sqlmodel",
+    "pydantic",
+    "pydantic_core",
+    "fastapi",
+    "starlette",
+    "anyio",
+    "asyncio",
+    "httpx",
+    "fleet",
+    "json",
+    "threading",
+    "concurrent",
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="command")
@@ -429,10 +693,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe_ap.add_argument("url")
     probe_ap.add_argument("--seconds", type=float, required=True)
     probe_ap.add_argument("--every", type=float, default=0.05)
+    profile_ap = sub.add_parser("profile", help="where one heartbeat's time goes, in-process")
+    profile_ap.add_argument("--count", type=int, default=300)
     ap.add_argument("--rates", default="60,120,180,240,320", help="heartbeats/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=15.0, help="per rate")
     ap.add_argument("--burst", type=int, default=200)
     ap.add_argument("--agents", type=int, default=56, help="servers reporting (demo: 56)")
+    ap.add_argument(
+        "--servers", type=int, help="a generated inventory of this many servers, all reporting"
+    )
+    ap.add_argument("--processes", default="1", help="service processes, e.g. 1,2")
     ap.add_argument(
         "--set",
         action="append",
@@ -441,6 +711,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a service setting (e.g. api_max_in_flight=8); repeat",
     )
     args = ap.parse_args(argv)
+    if args.command == "profile":
+        profile(args.count)
+        return 0
     if args.command == "probe":
         with suppress(KeyboardInterrupt, BrokenPipeError):
             probe(args.url, args.seconds, args.every)
@@ -449,43 +722,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cryptography.fernet import Fernet
 
     rates = [float(r) for r in args.rates.split(",") if r]
+    processes = [int(p) for p in args.processes.split(",") if p]
     key = Fernet.generate_key().decode()
     errors = 0
     with tempfile.TemporaryDirectory() as tmp, throwaway_database() as url:
-        tokens = prepare_database(url, key)
-        tokens = dict(list(tokens.items())[: args.agents])
-        overrides = dict(item.split("=", 1) for item in args.set)
-        serve = start_service(url, key, Path(tmp) / "data", Path(tmp) / "serve.log", **overrides)
-        proc, service = serve.proc, serve.url
-        try:
-            print(
-                f"fleetctl serve on Postgres, demo inventory, {len(tokens)} agents, "
-                f"heartbeats of {GPUS} GPUs; {os.cpu_count()} CPUs; Python "
-                f"{sys.version.split()[0]}",
-                flush=True,
-            )
-            wait_settled(service)
-            beats = Heartbeats(service, tokens)
-            with prober(service, 3600) as healthz:
-                started = time.monotonic()
-                answers = beats.run(burst(beats.one, args.burst))
-                wall = time.monotonic() - started
-                time.sleep(1.0)
-            figures = summary(answers, wall)
-            errors += figures["errors"]
-            show(f"burst {args.burst}", figures, healthz)
-            print(f"  {'':<14} wall {wall:.2f} s", flush=True)
-            for rate in rates:
-                time.sleep(2.0)  # let the previous rate's backlog drain
-                cpu = cpu_seconds(proc.pid)
-                with prober(service, 3600) as healthz:
-                    answers = beats.run(open_loop(beats.one, rate, args.seconds))
-                figures = summary(answers, args.seconds)
-                figures["cpu"] = (cpu_seconds(proc.pid) - cpu) / args.seconds
-                errors += figures["errors"]
-                show(f"{rate:g}/s", figures, healthz)
-        finally:
-            serve.kill()
+        started = time.monotonic()
+        tokens, gpus = prepare_fleet(url, key, args.servers)
+        if args.servers is None:
+            tokens = dict(list(tokens.items())[: args.agents])
+        print(
+            f"Postgres on 127.0.0.1, {len(tokens)} agents reporting "
+            f"({'a generated inventory' if args.servers else 'the demo inventory'}, prepared in "
+            f"{time.monotonic() - started:.0f} s); {os.cpu_count()} CPUs; Python "
+            f"{sys.version.split()[0]}",
+            flush=True,
+        )
+        for clients in (1, 8):
+            rate = postgres_update_rate(url, clients)
+            print(f"  Postgres alone: {rate:6.0f} single-row UPDATEs/s on {clients} client(s)")
+        for count in processes:
+            errors += series(url, key, Path(tmp) / f"x{count}", tokens, gpus, count, rates, args)
     if errors:
         print(f"{errors} requests without a proper answer", file=sys.stderr)
         return 1
