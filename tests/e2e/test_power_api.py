@@ -191,6 +191,17 @@ class Lab:
     runner: CliRunner = field(default_factory=CliRunner)
     cleanups: list[Callable[[], None]] = field(default_factory=list)
 
+    @classmethod
+    def on(cls, service: Live, sushy: Sushy) -> Lab:
+        """A lab on a service of the test's own (operator and viewer clients; no CLI token)."""
+        return cls(
+            live=service,
+            sushy=sushy,
+            operator=service.client(service.token(Role.OPERATOR, name="ops")),
+            viewer=service.client(service.token(Role.VIEWER, name="viewer")),
+            token="",
+        )
+
     # -- peers -----------------------------------------------------------------------------
 
     def sim(self, *, powered_on: bool = False) -> IpmiSim:
@@ -743,13 +754,7 @@ def test_a_bulk_action_on_100_stalled_bmcs_holds_no_more_connections_than_its_po
     stalled = StalledBmc()
     try:
         with serve(engine, tmp_path, **settings) as service:
-            lab = Lab(
-                live=service,
-                sushy=sushy,
-                operator=service.client(service.token(Role.OPERATOR, name="ops")),
-                viewer=service.client(service.token(Role.VIEWER, name="viewer")),
-                token="",
-            )
+            lab = Lab.on(service, sushy)
             servers = {f"hung-{i:03d}": redfish_bmc(stalled.port, str(i)) for i in range(100)}
             names = list(servers)
             lab.import_inventory(  # 42 U racks
@@ -805,13 +810,7 @@ def test_the_service_works_behind_pgbouncer_in_transaction_mode(
         through.dispose()
         try:
             with serve(engine, tmp_path, **settings) as service:
-                lab = Lab(
-                    live=service,
-                    sushy=sushy,
-                    operator=service.client(service.token(Role.OPERATOR, name="ops")),
-                    viewer=service.client(service.token(Role.VIEWER, name="viewer")),
-                    token="",
-                )
+                lab = Lab.on(service, sushy)
                 off = {f"rf-{i}": sushy.take("Off") for i in range(2)}
                 hung = {f"hung-{i:02d}": redfish_bmc(stalled.port, str(i)) for i in range(20)}
                 lab.import_inventory({"r1": {n: sushy.bmc(s) for n, s in off.items()}, "r2": hung})
