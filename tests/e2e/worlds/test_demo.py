@@ -51,7 +51,7 @@ def test_the_demo_runs_to_its_summary_and_leaves_nothing_behind(tmp_path: Path) 
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=420,  # 90 s of traffic, up to 150 s of wind-down, start-up and summary
         check=False,
     )
     out = run.stdout + run.stderr
