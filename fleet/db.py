@@ -82,23 +82,20 @@ def probe_engine(engine: Engine, timeout_s: float = 3.0) -> Engine:
     the requests' pool (the readiness probe); on Postgres, connecting and each transaction's
     statements are bounded by `timeout_s` (a `SET LOCAL` as each transaction begins, not a
     startup option, which PgBouncer refuses)."""
-    if engine.dialect.name != "postgresql":
-        return sa.create_engine(
-            engine.url,
-            poolclass=sa.NullPool,
-            hide_parameters=True,
-            connect_args={"timeout": timeout_s},
-        )
-    connect_args = {"connect_timeout": max(int(timeout_s), 1)}
+    postgres = engine.dialect.name == "postgresql"
+    connect_args = (
+        {"connect_timeout": max(int(timeout_s), 1)} if postgres else {"timeout": timeout_s}
+    )
     probe = sa.create_engine(
         engine.url, poolclass=sa.NullPool, hide_parameters=True, connect_args=connect_args
     )
-    ms = max(int(timeout_s * 1000), 1)
+    if postgres:
+        ms = max(int(timeout_s * 1000), 1)
 
-    def bounded(conn: sa.Connection) -> None:
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+        def bounded(conn: sa.Connection) -> None:
+            conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
 
-    sa.event.listen(probe, "begin", bounded)
+        sa.event.listen(probe, "begin", bounded)
     return probe
 
 

@@ -115,17 +115,17 @@ class Settings(BaseSettings):
     # `leader_step_down_s`, so that a healthy replica takes over (fleet/control/leader.py).
     leader_step_down_failures: int = Field(default=5, ge=1)
     leader_step_down_s: float = Field(default=60.0, gt=0)
+    # How this process's connections show in Postgres's pg_stat_activity (name replicas apart).
+    db_application_name: str = Field(default="fleet", min_length=1, max_length=63)
+    # false behind PgBouncer in transaction mode before 1.21 (Debian 12 has 1.18): server-side
+    # prepared statements live on one server connection, which such a pooler changes under us.
+    db_prepared_statements: bool = True
     # The database pool and the API's admission are sized together (docs/api.md): at most
     # `api_max_in_flight` API requests run at once, each holding at most one connection, and
     # the pool keeps `LOOP_CONNECTIONS` more for the control loops. A request waits up to
     # `api_admission_wait_s` for a slot, then gets 503 with Retry-After; a connection is waited
     # for `db_pool_timeout_s` at most (then 503 too), never the 30 s default. A few at once is
     # all one process can use (the GIL); more only delay its event loop, /healthz included.
-    # How this process's connections show in Postgres's pg_stat_activity (name replicas apart).
-    db_application_name: str = Field(default="fleet", min_length=1, max_length=63)
-    # false behind PgBouncer in transaction mode before 1.21 (Debian 12 has 1.18): server-side
-    # prepared statements live on one server connection, which such a pooler changes under us.
-    db_prepared_statements: bool = True
     db_pool_size: int = Field(default=10, ge=1)
     db_max_overflow: int = Field(default=10, ge=0)
     db_pool_timeout_s: float = Field(default=5.0, gt=0, le=60)
