@@ -27,7 +27,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -109,7 +109,9 @@ class Keeper:
     def __init__(
         self, engine: Engine, ttl_s: float = TTL_S, clock: Callable[[], datetime] = utcnow
     ) -> None:
-        self.engine = engine
+        # Weakly: the registry below keys keepers by engine, and a strong reference here would
+        # keep every engine (and its keeper) alive for good.
+        self._engine = ref(engine)
         self.ttl_s = ttl_s
         self.clock = clock
         self._held: dict[str, str] = {}  # holder token → lease name
@@ -117,6 +119,13 @@ class Keeper:
         self._guard = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engine()
+        if engine is None:  # only while a lease is held is it used, and the holder has it
+            raise RuntimeError("the keeper's engine is gone")
+        return engine
 
     @contextlib.contextmanager
     def hold(self, name: str, busy: Exception) -> Iterator[None]:
