@@ -156,12 +156,18 @@ class StrEnumType(sa.types.TypeDecorator[StrEnum]):
     def __init__(self, enum: type[StrEnum]) -> None:
         super().__init__(max(len(v) for v in enum))
         self._enum = enum
+        # A dict lookup per row read: `enum(value)` costs several times more, and reading
+        # 10,000 servers reads 30,000 of these.
+        self._members: dict[str, StrEnum] = {m.value: m for m in enum}
 
     def process_bind_param(self, value: StrEnum | str | None, dialect: Dialect) -> str | None:
         return None if value is None else self._enum(value).value
 
     def process_result_value(self, value: str | None, dialect: Dialect) -> StrEnum | None:
-        return None if value is None else self._enum(value)
+        if value is None:
+            return None
+        member = self._members.get(value)
+        return self._enum(value) if member is None else member  # unknown: enum's ValueError
 
 
 def _enum(enum: type[StrEnum], **kw: Any) -> Any:

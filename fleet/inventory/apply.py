@@ -6,13 +6,15 @@ exactly as it was; an accepted one is applied in the caller's single transaction
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import gc
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ValidationError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from fleet.catalog.refs import artifacts_of, is_external, set_deployment_version
 from fleet.catalog.versions import (
@@ -45,6 +47,7 @@ from fleet.models import (
     PowerFeed,
     Rack,
     Server,
+    ServerBase,
     ServerCreate,
     Site,
     utcnow,
@@ -127,13 +130,20 @@ class _Plan:
     credential_changes: list[tuple[str, str, list[str]]] = field(default_factory=list)
 
 
+# A server's columns an import compares, as plain rows: ORM objects for 10,000 servers (their
+# observations and JSON lists included) took most of a re-import (bench/inventory.py). Apply
+# loads the objects of the servers it changes, and only those.
+_SERVER_COLUMNS = ("id", "name", "rack_id", "bmc_password_encrypted", *ServerBase.model_fields)
+StoredServer = sa.Row[Any]  # attributes named as Server's columns above
+
+
 @dataclass
 class _Existing:
     gpu_models: dict[str, GpuModelSpec]
     sites: dict[str, Site]
     racks: dict[str, Rack]
     feeds: dict[tuple[int, str], PowerFeed]
-    servers: dict[str, Server]
+    servers: dict[str, StoredServer]
     deployments: dict[str, Deployment]
     # Model versions by "<model>@<version>", and each one's key by id.
     models: dict[str, ModelVersion] = field(default_factory=dict)
@@ -146,7 +156,10 @@ class _Existing:
             sites={s.name: s for s in session.exec(select(Site))},
             racks={r.name: r for r in session.exec(select(Rack))},
             feeds={(f.rack_id, f.name): f for f in session.exec(select(PowerFeed))},
-            servers={s.name: s for s in session.exec(select(Server))},
+            servers={
+                s.name: s
+                for s in session.execute(sa.select(*(getattr(Server, c) for c in _SERVER_COLUMNS)))
+            },
             deployments={d.name: d for d in session.exec(select(Deployment))},
             models={f"{v.model}@{v.version}": v for v in session.exec(select(ModelVersion))},
         )
@@ -470,6 +483,11 @@ def _diff(obj: Any, desired: dict[str, Any]) -> list[str]:
     return [k for k, v in desired.items() if getattr(obj, k) != v]
 
 
+def _diff_row(row: StoredServer, desired: dict[str, Any]) -> list[str]:
+    stored = row._mapping  # by key: a Row's attribute lookup costs 8× more, 10,000 times
+    return [k for k, v in desired.items() if stored[k] != v]
+
+
 def _server_fields(spec: ServerCreate, rack_id: int | None, kept: frozenset[str]) -> dict[str, Any]:
     fields = spec.model_dump(exclude={"rack", "bmc_password", "name", *kept})
     fields["rack_id"] = rack_id
@@ -477,7 +495,7 @@ def _server_fields(spec: ServerCreate, rack_id: int | None, kept: frozenset[str]
 
 
 def _password_change(
-    srv: Server, spec: ServerCreate, box: SecretBox, *, compare: bool
+    srv: StoredServer, spec: ServerCreate, box: SecretBox, *, compare: bool
 ) -> str | None:
     """What an import does to an existing server's stored BMC password: "set" (the file gives
     another one), "dropped" (its BMC endpoint moves and the file gives none: the password goes
@@ -489,16 +507,19 @@ def _password_change(
     endpoint stays and one is stored (re-importing a file that carries passwords still works),
     and is a change of credentials otherwise."""
     given = spec.bmc_password
-    moved = BmcEndpoint.of(spec).moved_from(BmcEndpoint.of(srv))
+
+    def moved() -> bool:  # asked only where it decides (10,000 servers, twice each)
+        return BmcEndpoint.of(spec).moved_from(BmcEndpoint.of(srv))
+
     if given is not None:
         if not compare:  # whether one is stored is no secret (bmc_password_set)
-            return "set" if moved or not has_bmc_password(srv) else "ignored"
+            return "set" if not has_bmc_password(srv) or moved() else "ignored"
         if has_bmc_password(srv) and (
             box.decrypt(srv.bmc_password_encrypted) == given.get_secret_value()
         ):
             return None
         return "set"
-    if has_bmc_password(srv) and moved:
+    if has_bmc_password(srv) and moved():
         return "dropped"
     return None
 
@@ -613,7 +634,9 @@ def plan(
         sobj = existing.servers.get(name)
         fields = []
         if sobj is not None:
-            fields = _diff(sobj, _server_fields(row.spec, rack_ids.get(row.spec.rack), row.kept))
+            fields = _diff_row(
+                sobj, _server_fields(row.spec, rack_ids.get(row.spec.rack), row.kept)
+            )
             fields = ["rack" if f == "rack_id" else f for f in fields]
             password = _password_change(sobj, row.spec, box, compare=credentials_allowed)
             if password == "ignored":
@@ -728,31 +751,43 @@ def _apply(
             racks[name] = rack
     session.flush()
 
+    new_feeds: list[dict[str, Any]] = []
     for (rack_name, fname), f in desired.feeds.items():
         if ("feed", f"{rack_name}/{fname}") in touched:
             rid = racks[rack_name].id
             assert rid is not None
-            feed = existing.feeds.get((rid, fname)) or PowerFeed(name=fname, rack_id=rid, **f)
+            feed = existing.feeds.get((rid, fname))
+            if feed is None:  # a batch below, as rows (see lifecycle.enroll_many)
+                new_feeds.append({"name": fname, "rack_id": rid, **f})
+                continue
             for k, v in f.items():
                 setattr(feed, k, v)
             session.add(feed)
+    if new_feeds:
+        session.execute(sa.insert(PowerFeed.__table__), new_feeds)  # type: ignore[attr-defined]
 
-    new_servers: list[Server] = []
+    changing = _load_servers(
+        session,
+        [s.id for n, s in existing.servers.items() if ("server", n) in touched],
+    )
+    new_servers: list[dict[str, Any]] = []
     for name, row in desired.servers.items():
         if ("server", name) not in touched:
             continue
-        values = _server_fields(row.spec, racks[row.spec.rack].id, row.kept)
-        srv = existing.servers.get(name)
+        srv = changing.get(name)
         if srv is None:
             assert row.spec.bmc_password is not None  # checked in plan()
-            srv = Server(
-                name=name,
-                bmc_password_encrypted=box.encrypt(row.spec.bmc_password.get_secret_value()),
-                **values,
+            # Every column the file can set, in every row (the batch insert needs one shape):
+            # a new server has no fleet values to keep.
+            new_servers.append(
+                {
+                    **_server_fields(row.spec, racks[row.spec.rack].id, frozenset()),
+                    "name": name,
+                    "bmc_password_encrypted": box.encrypt(row.spec.bmc_password.get_secret_value()),
+                }
             )
-            lifecycle.enroll(session, srv, actor, "imported from an inventory file")
-            new_servers.append(srv)
             continue
+        values = _server_fields(row.spec, racks[row.spec.rack].id, row.kept)
         changed = changed_fields[("server", name)]
         before = BmcEndpoint.of(srv)
         for k, v in values.items():
@@ -775,7 +810,8 @@ def _apply(
         if {"gpu_model", "gpu_count", "gpu_memory_mib"} & set(changed):
             _reconcile_gpus(session, srv)
     session.flush()
-    _insert_gpus(session, new_servers)
+    ids = lifecycle.enroll_many(session, new_servers, actor, "imported from an inventory file")
+    _insert_gpus(session, [(ids[row["name"]], row) for row in new_servers])
 
     for name, dspec in desired.deployments.items():
         if ("deployment", name) not in touched:
@@ -815,21 +851,33 @@ def _apply(
     session.flush()
 
 
-def _insert_gpus(session: Session, servers: Iterable[Server]) -> None:
+def _load_servers(session: Session, ids: list[int]) -> dict[str, Server]:
+    """The Server objects with these ids by name, a bounded IN list at a time."""
+    out: dict[str, Server] = {}
+    for start in range(0, len(ids), 1000):
+        chunk = ids[start : start + 1000]
+        out.update(
+            (s.name, s) for s in session.exec(select(Server).where(col(Server.id).in_(chunk)))
+        )
+    return out
+
+
+def _insert_gpus(session: Session, servers: Iterable[tuple[int, dict[str, Any]]]) -> None:
+    """One Gpu row per index of each new server (its id, its columns)."""
     rows = [
         {
-            "server_id": s.id,
+            "server_id": server_id,
             "index": i,
-            "model": s.gpu_model,
-            "memory_mib": s.gpu_memory_mib,
+            "model": s["gpu_model"],
+            "memory_mib": s["gpu_memory_mib"],
             "health": "unknown",
             "uuid": None,
         }
-        for s in servers
-        for i in range(s.gpu_count)
+        for server_id, s in servers
+        for i in range(s["gpu_count"])
     ]
     if rows:
-        session.execute(sa.insert(Gpu), rows)
+        session.execute(sa.insert(Gpu.__table__), rows)  # type: ignore[attr-defined]
 
 
 def _reconcile_gpus(session: Session, server: Server) -> None:
@@ -886,9 +934,26 @@ def import_inventory(
     """Validate and (unless dry_run) apply `inv`; the caller's transaction commits or rolls back.
     A file that changes existing servers' BMC credentials needs `credentials_allowed` (admins),
     dry run or not."""
-    report, desired, existing = plan(session, inv, box, credentials_allowed=credentials_allowed)
-    check_credentials(desired, credentials_allowed)
-    if not dry_run:
-        apply_plan(session, report, desired, existing, box, actor)
-        report = report.model_copy(update={"dry_run": False})
+    with _collector_paused():
+        report, desired, existing = plan(session, inv, box, credentials_allowed=credentials_allowed)
+        check_credentials(desired, credentials_allowed)
+        if not dry_run:
+            apply_plan(session, report, desired, existing, box, actor)
+            report = report.model_copy(update={"dry_run": False})
     return report
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off for one import. An import of 10,000 servers allocates
+    millions of short-lived objects and makes no cycles worth collecting; with the collector
+    on, its full passes over a heap that holds the file itself took a third of a re-import
+    (bench/inventory.py). Process-wide while it lasts (seconds); reference counting still
+    frees everything else, and the caller that found it on turns it back on."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()

@@ -41,7 +41,7 @@ NO_PASSWORD = ""
 CREDENTIAL_FIELDS = ("bmc_username", "bmc_password")
 
 
-def has_bmc_password(server: Server) -> bool:
+def has_bmc_password(server: Server | sa.Row[Any]) -> bool:
     return server.bmc_password_encrypted != NO_PASSWORD
 
 

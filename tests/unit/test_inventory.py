@@ -9,6 +9,7 @@ leaves every row of every table (and, on Postgres, every sequence) as it was.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import shutil
@@ -27,7 +28,7 @@ from sqlmodel import Session, col, func, select
 from fleet.crypto import SecretBox
 from fleet.data import DEMO_INVENTORY
 from fleet.db import session_scope
-from fleet.errors import ValidationFailed
+from fleet.errors import RulesBroken, ValidationFailed
 from fleet.inventory import (
     ImportReport,
     InventoryFile,
@@ -37,6 +38,7 @@ from fleet.inventory import (
     parse_inventory,
 )
 from fleet.inventory.gpu_models import BUILTIN
+from fleet.lifecycle.states import PowerState, ServerState
 from fleet.models import (
     Deployment,
     Event,
@@ -436,6 +438,42 @@ def test_demo_import_creates_the_colo(demo_fleet: Engine, session: Session) -> N
     }
     # Stored passwords are ciphertext.
     assert all(DEMO_PASSWORD not in s.bmc_password_encrypted for s in session.exec(select(Server)))
+
+
+def test_new_servers_are_enrolled_with_the_models_defaults(
+    demo_fleet: Engine, session: Session
+) -> None:
+    """They go in as plain rows (lifecycle.enroll_many), not ORM objects: the table's defaults
+    must still be the model's."""
+    rows = session.exec(select(Server)).all()
+    assert {s.state for s in rows} == {ServerState.ENROLLED}
+    assert {s.power_state for s in rows} == {PowerState.UNKNOWN}
+    for s in rows:
+        assert (s.health_reasons, s.replicas, s.cache_entries) == ([], [], [])
+        assert (s.bmc_failures, s.reboot_count, s.agent_draining) == (0, 0, False)
+        assert s.state_changed_at is not None and s.created_at is not None
+
+
+@pytest.mark.parametrize("was_on", [True, False], ids=["collector-on", "collector-off"])
+@pytest.mark.parametrize("accepted", [True, False], ids=["accepted", "rejected"])
+def test_an_import_leaves_the_cycle_collector_as_it_found_it(
+    db: Engine, box: SecretBox, was_on: bool, accepted: bool
+) -> None:
+    """Imports pause Python's cycle collector (fleet/inventory/apply.py): never for longer."""
+    doc = small()
+    if not accepted:
+        doc["sites"][0]["racks"][0]["servers"][0]["gpu"]["model"] = "no-such-gpu"
+    before = gc.isenabled()
+    (gc.enable if was_on else gc.disable)()
+    try:
+        if accepted:
+            run_import(db, box, doc)
+        else:
+            with pytest.raises(RulesBroken):
+                run_import(db, box, doc)
+        assert gc.isenabled() is was_on
+    finally:
+        (gc.enable if before else gc.disable)()
 
 
 def test_demo_import_report(db: Engine, box: SecretBox) -> None:
