@@ -83,9 +83,9 @@ FAILOVER_BOUND_S = LEASE_S + 2 * RECONCILE_S + SLACK_S
 SERVICE_SETTINGS = FAST_SERVICE_SETTINGS | {
     "FLEET_LEADER_LEASE_S": str(LEASE_S),
     "FLEET_RECONCILE_INTERVAL_S": str(RECONCILE_S),
-    # A boot the dead leader began is picked up by the next once its power-on settles
-    # (FLEET_POWER_SETTLE_S, 15 s): 43 s from the storm to serving was seen here, so the
-    # deadlines leave room beyond that.
+    # A power-on the dead leader wrote ahead but never confirmed is asked again by the next
+    # leader only after FLEET_POWER_RETRY_AFTER_S (15 s) and sushy applies one 1-11 s late:
+    # 43 s from the storm to serving was seen here, and one boot missed a 40 s deadline.
     "FLEET_BOOT_DEADLINE_S": "75",
     "FLEET_LOAD_DEADLINE_S": "75",
     "FLEET_LOG_LEVEL": "WARNING",
