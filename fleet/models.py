@@ -1265,3 +1265,11 @@ class Lease(SQLModel, table=True):
     holder: str = Field(max_length=100, index=True)
     taken_at: datetime = _ts()
     expires_at: datetime = _ts()
+
+
+class Wakeup(SQLModel, table=True):
+    """A leader loop's wake-up counter (fleet/control/wakeups.py): any replica bumps it in the
+    transaction that changed what the loop should act on; the leader polls it."""
+
+    name: str = Field(primary_key=True, max_length=32)
+    seq: int = Field(default=0, sa_type=sa.BigInteger)

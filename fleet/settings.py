@@ -140,6 +140,10 @@ class Settings(BaseSettings):
     # `provision_interval_s`.
     # Deadlines: large GPU servers take 10-15 min to POST (docs/hardware.md), then the GPU stack.
     provision_interval_s: float = Field(default=5.0, gt=0)
+    # Between ticks the leader reads the wake-up counters this often (fleet/control/wakeups.py):
+    # a spare asked to boot, an agent registered or ready wakes the provisioner from any replica.
+    # 0: off (each step waits for a tick).
+    wake_poll_s: float = Field(default=0.1, ge=0, le=10)
     boot_deadline_s: float = Field(default=1500.0, gt=0)
     load_deadline_s: float = Field(default=900.0, gt=0)
     # How long the fleet waits for an agent to drain before moving on without it.

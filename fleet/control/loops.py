@@ -132,6 +132,23 @@ class SingletonLoop:
             self._wake.clear()
 
 
+class Alongside:
+    """A Leadership that contends for nothing: it leads while `loop` last found this process
+    leading. For a loop that ticks too often to ask the lease each time (a follower's ask is
+    a write: fleet/control/wakeups.py's watch reads 10 times a second)."""
+
+    def __init__(self, loop: SingletonLoop) -> None:
+        self.name = f"alongside {loop.name}"
+        self._loop = loop
+
+    def is_leader(self) -> bool:
+        with self._loop.stats.lock:
+            return self._loop.stats.leader
+
+    def release(self) -> None:
+        """Nothing held: `loop` gives its lease back itself."""
+
+
 def stop_all(loops: list[SingletonLoop], timeout: float) -> list[str]:
     """Stop every loop within `timeout` seconds in all (a tick blocked in a BMC call is left
     behind: the threads are daemons); returns the names of the loops still running."""

@@ -15,8 +15,9 @@ from sqlalchemy.engine import Engine
 from fleet import db
 from fleet.autoscaler.service import History, autoscale_once
 from fleet.calendar.service import calendar_once
+from fleet.control import wakeups
 from fleet.control.leader import StepDown, identity, leadership_for
-from fleet.control.loops import SingletonLoop
+from fleet.control.loops import Alongside, SingletonLoop
 from fleet.crypto import SecretBox
 from fleet.models import Event, utcnow
 from fleet.power.reconciler import reconcile_once
@@ -124,4 +125,12 @@ def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[Sing
         leadership,
         on_tick=leadership.record,
     )
-    return [reconciler, provisioner, autoscaler, calendar, rollouts, valve]
+    loops = [reconciler, provisioner, autoscaler, calendar, rollouts, valve]
+    if settings.wake_poll_s > 0:
+        # It leads alongside the provisioner (no lease of its own to ask 10 times a second);
+        # its ticks are reads, not counted towards a step-down (they would drown the others).
+        watch = wakeups.Watch(engine, {wakeups.PROVISIONER: provisioner.wake})
+        loops.append(
+            SingletonLoop("wakeups", settings.wake_poll_s, watch.tick, Alongside(provisioner))
+        )
+    return loops

@@ -27,6 +27,7 @@ from fleet.catalog.refs import (
     key_of,
     server_version_id,
 )
+from fleet.control import wakeups
 from fleet.errors import FleetError, NotFoundError
 from fleet.inventory.servers import NO_PASSWORD
 from fleet.lifecycle import transitions as lifecycle
@@ -238,6 +239,7 @@ def start_boot(
         server.deployment_id = deployment.id
     server.boot_cache_hit = cache_hit(session, server, deployment)
     session.add(server)
+    wakeups.request(session)  # its power-on is the provisioner's next step: now, not next tick
 
 
 def cache_hit(session: Session, server: Server, deployment: Deployment | None) -> bool | None:

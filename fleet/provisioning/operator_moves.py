@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from sqlmodel import Session, col, select
 
+from fleet.control import wakeups
 from fleet.errors import ConflictError, NotFoundError
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
@@ -93,6 +94,7 @@ def operator_drain(session: Session, name: str, actor: str) -> dict[str, object]
     lifecycle.transition(session, server, S.DRAINING, actor, "drained by an operator", commit=False)
     server.drain_reason, server.drain_started_at = "operator", utcnow()
     session.add(server)
+    wakeups.request(session)
     session.commit()
     return _view(server)
 
@@ -102,6 +104,7 @@ def operator_undrain(session: Session, name: str, actor: str) -> dict[str, objec
     if server.state == S.DRAINING:
         server.drain_reason = "resume"  # once drained, it loads again
         session.add(server)
+        wakeups.request(session)
         session.commit()
         return _view(server)
     if server.state != S.DRAINED or server.drain_reason not in ("operator", "resume", "probe"):

@@ -36,6 +36,7 @@ from fleet.catalog.refs import (
     server_version_id,
     tp_size_of,
 )
+from fleet.control import wakeups
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
 from fleet.lifecycle.states import ServerState
@@ -233,9 +234,17 @@ def _keep(session: Session, server: Server) -> list[str]:
     return sorted(k for k in keys if k is not None)
 
 
+# A booting server whose agent reports is about to be moved to loading by the provisioner (woken
+# by the registration: fleet/control/wakeups.py), and its assignment with it: the agent is asked
+# back this soon, so that it learns the assignment then rather than one interval later.
+SETTLING_INTERVAL_S = 0.5
+
+
 def _reply(
     session: Session, server: Server, interval_s: float, refused: list[str] | None = None
 ) -> Reply:
+    if server.state is ServerState.BOOTING:
+        interval_s = min(interval_s, SETTLING_INTERVAL_S)
     return Reply(
         server=server.name,
         state=server.state,
@@ -281,6 +290,7 @@ def register(
     server.agent_registered_at = now
     server.last_heartbeat_at = now
     session.add(server)
+    wakeups.request(session)  # a booting server's agent is up: it moves on to loading
     _record_gpus_found(session, server, report.gpus, principal.actor)
     session.add(
         _event(
@@ -356,6 +366,7 @@ def heartbeat(
             refused.append(f"replicas[{i}].url: {problem}")
             replica["url"] = None
     previous = (server.health_verdict, server.health_action)
+    decided_on = _decided_on(server)
     now = utcnow()
     server.last_heartbeat_at = now
     server.health_verdict = report.verdict
@@ -379,6 +390,8 @@ def heartbeat(
         if row is not None and row.health != health:
             row.health = health
             session.add(row)
+    if _decided_on(server) != decided_on:
+        wakeups.request(session)
     if previous != (report.verdict, report.action):
         reasons = "; ".join(r.message for r in report.reasons) or "no faults"
         session.add(
@@ -395,6 +408,20 @@ def heartbeat(
         )
     session.commit()
     return _reply(session, server, interval_s, refused)
+
+
+def _decided_on(server: Server) -> tuple[object, ...]:
+    """What of a heartbeat the provisioner's next step depends on: readiness (loading →
+    serving), draining, the verdict and its action (remediation), the replicas' states. A
+    change wakes it (fleet/control/wakeups.py); the same report again does not."""
+    states = tuple(r.get("state") for r in server.replicas)
+    return (
+        server.agent_ready,
+        server.agent_draining,
+        server.health_verdict,
+        server.health_action,
+        states,
+    )
 
 
 def _record_cache(

@@ -20,11 +20,12 @@ from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from fleet.control import wakeups
 from fleet.crypto import SecretBox
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Event, Gpu, Role, Server, Verdict
+from fleet.models import Deployment, Event, Gpu, Role, Server, Verdict, Wakeup
 from fleet.provisioning.quality_probe import probe_server
-from fleet.registry.agent_reports import url_problem
+from fleet.registry.agent_reports import SETTLING_INTERVAL_S, url_problem
 from fleet_agent.config import AgentSettings
 from fleet_agent.daemon import Agent
 from fleet_agent.fleet_client import FleetClient
@@ -190,6 +191,53 @@ def test_heartbeats_record_health_and_changes_of_verdict_once(
     assert health == ["healthy", "unhealthy"]
     changes = [k for k in kinds(db, "gpu-a") if k == "server.health"]
     assert len(changes) == 2  # unknown -> healthy, healthy -> unhealthy; repeats say nothing
+
+
+def wake_seq(db: Engine) -> int:
+    with Session(db) as session:
+        found = session.get(Wakeup, wakeups.PROVISIONER)
+        return 0 if found is None else found.seq
+
+
+def test_a_registration_and_a_heartbeat_that_changes_readiness_wake_the_provisioner(
+    agent: httpx.Client, db: Engine
+) -> None:
+    """Each is what the provisioner's next step waits for (booting -> loading, loading ->
+    serving): it is woken at once (fleet/control/wakeups.py). A heartbeat that says again what
+    the last said is no news and wakes nothing: the steady state costs no write."""
+    start = wake_seq(db)
+    assert agent.post(f"{API}/register", json=registration()).status_code == 200
+    assert wake_seq(db) == start + 1
+    loading = heartbeat(ready=False, replicas=[{"index": 0, "state": "loading"}])
+    assert agent.post(f"{API}/heartbeat", json=loading).status_code == 200
+    after_first = wake_seq(db)  # the first report of replicas and readiness is a change
+    for _ in range(3):
+        assert agent.post(f"{API}/heartbeat", json=loading).status_code == 200
+    assert wake_seq(db) == after_first
+    ready = heartbeat(ready=True, replicas=[{"index": 0, "state": "ready"}])
+    assert agent.post(f"{API}/heartbeat", json=ready).status_code == 200
+    assert wake_seq(db) == after_first + 1
+    assert agent.post(f"{API}/heartbeat", json=ready).status_code == 200
+    assert wake_seq(db) == after_first + 1
+    sick = heartbeat(ready=True, replicas=[{"index": 0, "state": "ready"}], verdict="degraded")
+    assert agent.post(f"{API}/heartbeat", json=sick).status_code == 200
+    assert wake_seq(db) == after_first + 2
+
+
+def test_a_booting_servers_agent_is_asked_back_sooner(
+    agent: httpx.Client, db: Engine, session: Session
+) -> None:
+    """Its assignment changes as soon as the provisioner moves it to loading: asked back in
+    SETTLING_INTERVAL_S, the agent learns it then, not one heartbeat interval later."""
+    usual = agent.post(f"{API}/register", json=registration()).json()["heartbeat_interval_s"]
+    assert usual > SETTLING_INTERVAL_S  # enrolled: the configured interval
+    server = session.exec(select(Server).where(Server.name == "gpu-a")).one()
+    walk_to(session, server, ServerState.BOOTING)
+    reply = agent.post(f"{API}/register", json=registration()).json()
+    assert reply["heartbeat_interval_s"] == SETTLING_INTERVAL_S
+    assert agent.post(f"{API}/heartbeat", json=heartbeat()).json()["heartbeat_interval_s"] == (
+        SETTLING_INTERVAL_S
+    )
 
 
 def test_the_reply_carries_the_assignment(
