@@ -4,11 +4,11 @@
   test by test.
 - tests/e2e/: real peers (BMC emulators, engine stand-ins, a router, a service as a child):
   each module is one unit of work, so its peers start once per worker.
-- tests/e2e/worlds/ and tests/chaos/: a whole world in real processes (a service, a colo of emulated BMCs,
-  agents, engines, a router) watched in real time. Together they form one unit of work: they
-  run one after another on one worker while the other workers take the rest. Two of them at
-  once would share this machine's two cores with each other's control loops, and their waits
-  are sized for one.
+- tests/e2e/worlds/ and tests/chaos/: a whole world in real processes (a service, a colo of
+  emulated BMCs, agents, engines, a router) watched in real time. Together they form one unit
+  of work: they run one after another on one worker while the other workers take the rest.
+  Two of them at once would share this machine's two cores with each other's control loops,
+  and their waits are sized for one.
 
 This is xdist's `loadgroup` with the group decided here, from the node id's folder, rather than
 by an `xdist_group` mark: loadgroup carries the mark by rewriting node ids, which pytest 9.2's

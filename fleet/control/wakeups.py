@@ -30,7 +30,9 @@ _TABLE = Wakeup.__table__  # type: ignore[attr-defined]
 def request(session: Session, loop: str = PROVISIONER) -> None:
     """Wake `loop` in the leader once the caller's transaction commits (a row lock held until
     then: callers bump only on the rare changes named above, not on every heartbeat). An
-    upsert: the migration seeds the row, and a missing one is made, never an error."""
+    upsert: the migration seeds the row, and a missing one is made, never an error. Call it
+    after the transaction's other writes (its statement flushes them first): the row is then
+    always the last lock a transaction takes, and no two wait on each other through it."""
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     statement = insert(_TABLE).values(name=loop, seq=1)

@@ -182,6 +182,11 @@ def boot_spares(
                 spare.gpu_model, cached, boot_figures(session), default_boot_s
             )
             server = session.exec(select(Server).where(Server.name == name)).one()
+            if raise_target:
+                # Before start_boot, whose wake-up bump flushes it: every transaction takes
+                # the wakeup row last, so none waits on it while holding what another needs.
+                deployment.target_servers += 1
+                session.add(deployment)
             start_boot(
                 session,
                 server,
@@ -197,9 +202,6 @@ def boot_spares(
                     "expected_boot_s": round(boot[0], 1),
                 },
             )
-            if raise_target:
-                deployment.target_servers += 1
-                session.add(deployment)
             session.commit()
             booted.append(name)
     return BootResult(deployment_name, tuple(booted), count - len(booted), reasons)

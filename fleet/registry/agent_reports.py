@@ -290,8 +290,8 @@ def register(
     server.agent_registered_at = now
     server.last_heartbeat_at = now
     session.add(server)
-    wakeups.request(session)  # a booting server's agent is up: it moves on to loading
     _record_gpus_found(session, server, report.gpus, principal.actor)
+    wakeups.request(session)  # a booting server's agent is up: it moves on to loading
     session.add(
         _event(
             server,
