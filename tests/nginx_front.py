@@ -16,20 +16,15 @@ it is stopped (TERM, then KILL) on the way out. What an operator would configure
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from weights_peers import nginx_binary
+from weights_peers import nginx_binary, stop_process, wait_listening
 
 from fleet.lab.sushy import free_port
-
-START_TIMEOUT_S = 15.0
-STOP_TIMEOUT_S = 10.0
 
 CONF = """\
 {user}worker_processes 1;
@@ -85,14 +80,6 @@ class NginxFront:
         return [line for line in text.splitlines() if "upstream" in line]
 
 
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 @contextmanager
 def nginx_front(upstreams: Sequence[str], workdir: Path) -> Iterator[NginxFront]:
     binary = nginx_binary()
@@ -118,18 +105,7 @@ def nginx_front(upstreams: Sequence[str], workdir: Path) -> Iterator[NginxFront]
             stdin=subprocess.DEVNULL,
         )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _listening(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log = error_log.read_text(errors="replace")[-2000:] if error_log.exists() else ""
-                raise RuntimeError(f"nginx did not start (exit {proc.poll()}): {log}")
-            time.sleep(0.05)
+        wait_listening(port, proc, "nginx", error_log)
         yield NginxFront(f"http://127.0.0.1:{port}", port, proc.pid, tmp / "access.log", error_log)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=STOP_TIMEOUT_S)
+        stop_process(proc)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
@@ -47,3 +48,15 @@ def migrated_database(prefix: str, pg_url: str) -> Iterator[Engine]:
             yield engine
         finally:
             engine.dispose()
+
+
+def world_database(stack: ExitStack, prefix: str) -> str:
+    """A throwaway database for a whole-world test module, dropped when `stack` closes; the
+    module is skipped where Postgres is not reachable, and fails in CI."""
+    try:
+        return stack.enter_context(throwaway_database(prefix))
+    except sa.exc.OperationalError as exc:
+        message = f"Postgres not available at {ADMIN_URL}: {str(exc.orig or exc).splitlines()[0]}"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)

@@ -77,7 +77,7 @@ def _listening(port: int) -> bool:
         return False
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
+def wait_listening(port: int, proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _listening(port):
         if proc.poll() is not None:
@@ -87,7 +87,7 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes], what: str, log: Pa
         time.sleep(0.05)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.terminate()
     try:
@@ -349,7 +349,7 @@ def nginx_peer(root: Path, workdir: Path, *, tls: bool = False) -> Iterator[Ngin
             stdin=subprocess.DEVNULL,
         )
     try:
-        _wait_listening(port, proc, "nginx", tmp / "error.log")
+        wait_listening(port, proc, "nginx", tmp / "error.log")
         yield NginxPeer(
             base_url=f"{'https' if cert else 'http'}://{HOST}:{port}",
             port=port,
@@ -359,7 +359,7 @@ def nginx_peer(root: Path, workdir: Path, *, tls: bool = False) -> Iterator[Ngin
             ca_file=cert[0] if cert else None,
         )
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 # ---- moto (S3) ------------------------------------------------------------------------------
@@ -445,7 +445,7 @@ def moto_peer(workdir: Path, *, region: str = "us-east-1") -> Iterator[MotoPeer]
             env=env,
         )
     try:
-        _wait_listening(port, proc, "moto", log)
+        wait_listening(port, proc, "moto", log)
         endpoint = f"http://{HOST}:{port}"
         iam = boto3.client(
             "iam",
@@ -467,7 +467,7 @@ def moto_peer(workdir: Path, *, region: str = "us-east-1") -> Iterator[MotoPeer]
             log=log,
         )
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 # ---- a server that cuts ---------------------------------------------------------------------

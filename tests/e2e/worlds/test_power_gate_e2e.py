@@ -23,7 +23,6 @@ The service runs without its control loops: nothing but the commands here powers
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -32,11 +31,10 @@ from typing import Any
 
 import httpx
 import pytest
-import sqlalchemy as sa
 import yaml
 from factories import TEST_SECRET_KEY
 from live import make_token
-from pg import ADMIN_URL, throwaway_database
+from pg import world_database
 from typer.testing import CliRunner, Result
 
 from fleet import cli, db
@@ -136,21 +134,11 @@ class World:
         return len(sushy.resets(self.colo.state()["servers"][name]["system_id"]))
 
 
-def _postgres_url(stack: ExitStack) -> str:
-    try:
-        return stack.enter_context(throwaway_database("fleet_gate_e2e"))
-    except sa.exc.OperationalError as exc:
-        message = f"Postgres not available at {ADMIN_URL}: {str(exc.orig or exc).splitlines()[0]}"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     base: Path = tmp_path_factory.mktemp("gate-e2e")
     with ExitStack() as stack:
-        url = _postgres_url(stack)
+        url = world_database(stack, "fleet_gate_e2e")
         engine = db.make_engine(url)
         stack.callback(engine.dispose)
         db.upgrade(engine)

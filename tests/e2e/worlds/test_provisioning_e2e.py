@@ -43,10 +43,9 @@ from typing import Any
 
 import httpx
 import pytest
-import sqlalchemy as sa
 import yaml
 from factories import TEST_SECRET_KEY
-from pg import ADMIN_URL, throwaway_database
+from pg import world_database
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 from typer.testing import CliRunner, Result
@@ -382,23 +381,13 @@ class World:
         return sorted(r["name"] for r in self.api("GET", "/servers", params=params)["results"])
 
 
-def _postgres_url(stack: ExitStack) -> str:
-    try:
-        return stack.enter_context(throwaway_database("fleet_e2e"))
-    except sa.exc.OperationalError as exc:
-        message = f"Postgres not available at {ADMIN_URL}: {str(exc.orig or exc).splitlines()[0]}"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """The module's service, lab and deployment; everything stopped (and the database
     dropped) at the end, whatever happened."""
     base = tmp_path_factory.mktemp("e2e")
     with ExitStack() as stack:
-        url = _postgres_url(stack)
+        url = world_database(stack, "fleet_e2e")
         engine = db.make_engine(url)
         stack.callback(engine.dispose)
         db.upgrade(engine)

@@ -44,7 +44,7 @@ import sqlalchemy as sa
 import yaml
 from factories import TEST_SECRET_KEY
 from nginx_front import NginxFront, nginx_front
-from pg import ADMIN_URL, throwaway_database
+from pg import world_database
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 from typer.testing import CliRunner
@@ -281,21 +281,11 @@ class World:
         ]
 
 
-def _postgres_url(stack: ExitStack) -> str:
-    try:
-        return stack.enter_context(throwaway_database("fleet_replicas"))
-    except sa.exc.OperationalError as exc:
-        message = f"Postgres not available at {ADMIN_URL}: {str(exc.orig or exc).splitlines()[0]}"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     base = tmp_path_factory.mktemp("replicas")
     with ExitStack() as stack:
-        url = _postgres_url(stack)
+        url = world_database(stack, "fleet_replicas")
         engine = db.make_engine(url)
         stack.callback(engine.dispose)
         db.upgrade(engine)
