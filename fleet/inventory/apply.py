@@ -6,9 +6,7 @@ exactly as it was; an accepted one is applied in the caller's single transaction
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,6 +54,7 @@ from fleet.power.budget import Feed, ServerDraw, rack_power, side_watts
 from fleet.power.racks import to_feed
 from fleet.validation import messages_under
 from fleet_core.engines import EngineName
+from fleet_core.gcpause import collector_paused
 
 Kind = Literal["gpu_model", "model_version", "site", "rack", "feed", "server", "deployment"]
 KINDS: tuple[Kind, ...] = (
@@ -934,26 +933,11 @@ def import_inventory(
     """Validate and (unless dry_run) apply `inv`; the caller's transaction commits or rolls back.
     A file that changes existing servers' BMC credentials needs `credentials_allowed` (admins),
     dry run or not."""
-    with _collector_paused():
+    # Millions of short-lived objects and no cycles: fleet_core/gcpause.py.
+    with collector_paused():
         report, desired, existing = plan(session, inv, box, credentials_allowed=credentials_allowed)
         check_credentials(desired, credentials_allowed)
         if not dry_run:
             apply_plan(session, report, desired, existing, box, actor)
             report = report.model_copy(update={"dry_run": False})
     return report
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cycle collector off for one import. An import of 10,000 servers allocates
-    millions of short-lived objects and makes no cycles worth collecting; with the collector
-    on, its full passes over a heap that holds the file itself took a third of a re-import
-    (bench/inventory.py). Process-wide while it lasts (seconds); reference counting still
-    frees everything else, and the caller that found it on turns it back on."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
