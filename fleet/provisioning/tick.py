@@ -51,7 +51,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from fleet.bmc import BmcError, PowerDriver, driver_for
-from fleet.bmc.base import Action, ActionResult, BmcTarget
+from fleet.bmc.base import Action, ActionResult, BmcTarget, BmcUnreachable
 from fleet.bmc.bulk import Job, Outcome, run_bulk
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError
@@ -93,13 +93,16 @@ class TickReport:
 class PowerCall:
     """A BMC action a step decided on, run with the tick's others (`ProvisionTick._send_power`).
     `on_busy`: another power action held the server, nothing went out (None: nothing to undo);
-    `on_error`: the BMC call failed, with its one-line message."""
+    `on_error`: the BMC call failed, with its one-line message; `on_unanswered` (None: as
+    `on_error`): no answer came, so the command may have been applied (a BMC slower than the
+    call timeout, a link cut after the request went out)."""
 
     server: Server
     rack: str
     action: Action
     on_error: Callable[[str], None]
     on_busy: Callable[[], None] | None = None
+    on_unanswered: Callable[[str], None] | None = None
 
 
 def provision_once(
@@ -240,6 +243,7 @@ class ProvisionTick:
         action: Action,
         on_error: Callable[[str], None] | None = None,
         on_busy: Callable[[], None] | None = None,
+        on_unanswered: Callable[[str], None] | None = None,
     ) -> None:
         """Queue one BMC power action on `name`; `_send_power` runs it. `on_error` (default:
         the error reported) and `on_busy` run in the tick's thread once it has been tried."""
@@ -248,7 +252,9 @@ class ProvisionTick:
         if on_error is None:
             on_error = partial(self._report_error, name)
         # The rack id is the stagger's key: only one rack's power-ons share a slot.
-        self.pending.append(PowerCall(server, str(server.rack_id), action, on_error, on_busy))
+        self.pending.append(
+            PowerCall(server, str(server.rack_id), action, on_error, on_busy, on_unanswered)
+        )
 
     def _report_error(self, name: str, error: str) -> None:
         self.report.errors.append(f"{name}: {error}")
@@ -319,6 +325,8 @@ class ProvisionTick:
         elif isinstance(error, ServerBusy):
             if call.on_busy is not None:
                 call.on_busy()
+        elif isinstance(error, BmcUnreachable) and call.on_unanswered is not None:
+            call.on_unanswered(str(error))
         elif isinstance(error, BmcError):
             call.on_error(str(error))
         else:
@@ -377,7 +385,25 @@ class ProvisionTick:
                         self._fail(again, row, f"BMC power {action} failed: {error}")
                         again.commit()
 
-                self._power(name, action, on_error=failed, on_busy=busy)
+                def unanswered(error: str) -> None:
+                    # The power-on may have gone out and the server be coming up: failing the
+                    # boot would strand it powered on, doing nothing. The write-ahead mark
+                    # stays; the retry below reads the BMC after power_retry_after_s and sends
+                    # again only if it is still off; the boot deadline bounds the wait.
+                    self.report.errors.append(
+                        f"{name}: {error}; power {action} unanswered: read again after "
+                        f"{s.power_retry_after_s:g} s, sent again only if still off"
+                    )
+
+                # A cycle is never asked twice (it would cycle a server that came up): its
+                # unanswered call fails the boot, as any error does.
+                self._power(
+                    name,
+                    action,
+                    on_error=failed,
+                    on_busy=busy,
+                    on_unanswered=unanswered if action == "on" else None,
+                )
                 return
             if self._agent_up_since(server, started):
                 if staging.is_staging(server):

@@ -21,7 +21,7 @@ from fake_bmcs import ActingBmc
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from fleet.bmc.base import ActionResult, BmcUnreachable
+from fleet.bmc.base import ActionResult, BmcAuthFailed, BmcUnreachable
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError
 from fleet.lifecycle.states import ServerState
@@ -48,15 +48,22 @@ class Bmc(ActingBmc):
     commands: list[tuple[str, str]] = []
     crash_after_send: set[str] = set()
     refuse: set[str] = set()
+    # Applies the command, then its answer is lost (a BMC slower than the call timeout).
+    unanswered: set[str] = set()
     lock = threading.Lock()
 
     def power_state(self) -> PowerState:
         if self.target.server in self.refuse:
-            raise BmcUnreachable(self.target, "authentication refused")
+            raise BmcAuthFailed(self.target, "authentication refused")
         return self.state.get(self.target.server, OFF)
 
     def _send(self, action: str, want: PowerState) -> ActionResult:
         before = self.power_state()
+        if self.target.server in self.unanswered:
+            with self.lock:
+                self.commands.append((self.target.server, action))
+                self.state[self.target.server] = want
+            raise BmcUnreachable(self.target, "timed out (the Reset may still be applied)")
         if before == want and action != "cycle":
             return ActionResult(action, False, before, before)  # type: ignore[arg-type]
         with self.lock:
@@ -87,7 +94,8 @@ def tick(db: Engine, **overrides: Any) -> TickReport:
 
 @pytest.fixture(autouse=True)
 def fresh_bmc() -> Iterator[None]:
-    Bmc.state, Bmc.commands, Bmc.crash_after_send, Bmc.refuse = {}, [], set(), set()
+    Bmc.state, Bmc.commands, Bmc.crash_after_send = {}, [], set()
+    Bmc.refuse, Bmc.unanswered = set(), set()
     yield
 
 
@@ -241,6 +249,38 @@ def test_a_bmc_error_fails_the_boot_and_a_replacement_boots(
     booting = [n for n, s in states(db).items() if s == "booting"]
     assert len(booting) == 1 and booting[0] != bad
     assert target(db, fleet["deployment"]) == 1  # the target is unchanged
+
+
+def test_an_unanswered_power_on_is_read_again_not_failed(db: Engine, fleet: dict[str, Any]) -> None:
+    """The power-on went out but its answer was lost: the server is coming up, so the boot
+    goes on (failing it would strand a powered-on server); past the retry window the BMC is
+    read, and with the server on nothing more is sent."""
+    [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
+    Bmc.unanswered.add(name)
+    report = tick(db)
+    assert Bmc.commands == [(name, "on")]
+    server = row(db, name)
+    assert server.state == S.BOOTING and server.power_on_sent_at is not None
+    assert any("unanswered" in e for e in report.errors), report.errors
+    Bmc.unanswered.discard(name)
+    provision_once(db, BOX, settings(power_retry_after_s=0.001), drivers=Bmc)
+    assert Bmc.commands == [(name, "on")], "read first: it is on, so nothing is sent again"
+    assert row(db, name).state == S.BOOTING
+
+
+def test_an_unanswered_power_on_of_a_server_still_off_is_sent_again_after_the_window(
+    db: Engine, fleet: dict[str, Any]
+) -> None:
+    [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
+    Bmc.unanswered.add(name)
+    tick(db)
+    Bmc.unanswered.discard(name)
+    Bmc.state[name] = OFF  # it never applied it after all
+    tick(db)  # within the window: nothing
+    assert Bmc.commands == [(name, "on")]
+    provision_once(db, BOX, settings(power_retry_after_s=0.001), drivers=Bmc)
+    assert Bmc.commands == [(name, "on"), (name, "on")]
+    assert row(db, name).state == S.BOOTING
 
 
 def test_boot_and_load_deadlines_fail_with_the_reason(db: Engine, fleet: dict[str, Any]) -> None:
