@@ -5,8 +5,9 @@ it sees each response's status, and each exception nothing inside handled, which
 itself (`error_response`, the one mapping from an exception to a status):
 
 - the database unreachable or refusing connections (SQLAlchemy's OperationalError,
-  InterfaceError, DisconnectionError, a connection invalidated under a statement) or the pool
-  out of connections (its TimeoutError): 503 with `Retry-After`;
+  InterfaceError, DisconnectionError, a connection invalidated under a statement), the pool
+  out of connections (its TimeoutError) or its disk full (said so in the detail): 503 with
+  `Retry-After`;
 - a value the database cannot hold (DataError: an integer beyond its column, a string too
   long; OverflowError: SQLite's 64-bit integers): 422 — input validation should have refused it
   first, so it is logged too;
@@ -52,6 +53,8 @@ _DATA_ERRORS = {
 # A client went away before any answer (nginx's convention; nothing was sent).
 CLIENT_CLOSED = 499
 MAX_LOGGED_PATH = 300
+_SQLITE_FULL = 13
+_PG_DISK_FULL = "53100"
 # One "database unavailable" warning per this many seconds: an outage is hundreds of 503s.
 UNAVAILABLE_LOG_EVERY_S = 10.0
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -95,11 +98,27 @@ class _Throttle:
 _unavailable_log = _Throttle(UNAVAILABLE_LOG_EVERY_S)
 
 
+def disk_full(exc: BaseException) -> bool:
+    """The database refused a write for want of disk: SQLite's SQLITE_FULL, Postgres's
+    SQLSTATE 53100 (disk_full)."""
+    orig = getattr(exc, "orig", None)
+    return (
+        getattr(orig, "sqlite_errorcode", None) == _SQLITE_FULL
+        or getattr(orig, "sqlstate", None) == _PG_DISK_FULL
+    )
+
+
 def unavailable_response(exc: BaseException, retry_after_s: int) -> JSONResponse:
     """503 + Retry-After for a database that cannot be reached or has no connection free."""
     cause = _cause(exc)
     if isinstance(cause, sa.exc.TimeoutError):
         detail = "the service is busy (no database connection free): retry later"
+    elif disk_full(cause):
+        # Reads still work and /readyz says ready: say which part is down, and why.
+        detail = (
+            "the database's disk is full: writes are refused until an operator frees space "
+            f"(reads still work); retry after {retry_after_s} s"
+        )
     else:
         detail = f"the database is unavailable: retry after {retry_after_s} s"
     if _unavailable_log.due():

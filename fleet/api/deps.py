@@ -8,12 +8,14 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
+import sqlalchemy as sa
 from fastapi import Depends, HTTPException, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from fleet.api import edge
+from fleet.api.access import is_unavailable
 from fleet.api.responses import Page
 from fleet.auth import Principal
 from fleet.crypto import SecretBox
@@ -22,12 +24,28 @@ from fleet.settings import Settings
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    with Session(request.app.state.engine, expire_on_commit=False) as session:
-        try:
-            yield session
-        except BaseException:
-            session.rollback()
+    session = Session(request.app.state.engine, expire_on_commit=False)
+    try:
+        yield session
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        _close(session)
+
+
+def _close(session: Session) -> None:
+    """FastAPI closes a dependency after the answer went out. A connection the database
+    dropped meanwhile (a restart, pg_terminate_backend) fails the close's ROLLBACK: that must
+    not turn an answered request into a logged 500 and a keep-alive connection cut under the
+    client's next request (tests/chaos/test_postgres_restart.py). The connection is
+    invalidated instead (the pool opens a new one); any other error still raises."""
+    try:
+        session.close()
+    except sa.exc.SQLAlchemyError as exc:
+        if not is_unavailable(exc):
             raise
+        session.invalidate()
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

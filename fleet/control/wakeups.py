@@ -14,6 +14,8 @@ for. The ticks stay: a lost wake-up (a leader that changed hands) costs one tick
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Mapping
 
 import sqlalchemy as sa
@@ -24,6 +26,8 @@ from sqlmodel import Session
 from fleet.models import Wakeup
 
 PROVISIONER = "provisioner"
+QUIET_S = 30.0
+log = logging.getLogger(__name__)
 _TABLE = Wakeup.__table__  # type: ignore[attr-defined]
 
 
@@ -51,8 +55,24 @@ class Watch:
         self._engine = engine
         self._wakers = dict(wakers)
         self._seen: dict[str, int] | None = None
+        self._warned_at = -QUIET_S
 
     def tick(self) -> None:
+        """One read. A database that fails it is the other loops' news (they log it): ten
+        tracebacks a second through an outage would drown it, so a warning at most every
+        `QUIET_S`; the provisioner's own ticks go on meanwhile."""
+        try:
+            self._read()
+        except sa.exc.SQLAlchemyError as exc:
+            now = time.monotonic()
+            if now - self._warned_at >= QUIET_S:
+                self._warned_at = now
+                first = str(exc).strip().splitlines()
+                log.warning(
+                    "wake-ups not read (%s: %s)", type(exc).__name__, first[0] if first else ""
+                )
+
+    def _read(self) -> None:
         with self._engine.connect() as conn:
             now = {
                 name: int(seq) for name, seq in conn.execute(sa.select(_TABLE.c.name, _TABLE.c.seq))
