@@ -1190,6 +1190,17 @@ class VirtualColo:
     def bmc_endpoint(self, server: str) -> str:
         return bmc_endpoint(self._server_state(self._node(server)))
 
+    def power_ons(self, server: str) -> int:
+        """Power commands the server's emulator applied to turn it on: Redfish Resets in
+        sushy's log (for a server found off, each Reset is a power-on), `set power 1` in an
+        IPMI server's chassis log. What a test counts to show a boot was sent exactly once."""
+        entry = self.state()["servers"][server]
+        if entry["protocol"] == "redfish":
+            assert self._sushy is not None
+            return len(self._sushy.resets(entry["system_id"]))
+        lines = (Path(entry["chassis_dir"]) / "chassis.log").read_text().splitlines()
+        return sum(1 for line in lines if line.split()[1:] == ["set", "power", "1"])
+
     def state(self) -> dict[str, Any]:
         """What lab.json holds: enough for `fleetctl lab status|inject|down` in another process
         (the lab's pid, its emulators and sentinel, every server's BMC and agent)."""

@@ -301,16 +301,8 @@ class World:
         return str(self.colo.state()["servers"][name]["protocol"])
 
     def power_ons(self, name: str) -> int:
-        """Power-ons in the server's emulator log: Reset POSTs logged by sushy (warm spares are
-        off, so every Reset of theirs here is a power-on) or `set power 1` in the ipmi_sim
-        chassis_control log."""
-        entry = self.colo.state()["servers"][name]
-        if entry["protocol"] == "redfish":
-            sushy = self.colo._sushy
-            assert sushy is not None
-            return len(sushy.resets(entry["system_id"]))
-        lines = (Path(entry["chassis_dir"]) / "chassis.log").read_text().splitlines()
-        return sum(1 for line in lines if line.split()[1:] == ["set", "power", "1"])
+        """Power-ons at the server's emulator (warm spares are off: VirtualColo.power_ons)."""
+        return self.colo.power_ons(name)
 
     def chassis_calls(self, name: str) -> list[str]:
         entry = self.colo.state()["servers"][name]

@@ -35,7 +35,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -202,15 +201,8 @@ class World:
         return [(e.kind, str(e.details.get("process"))) for e in rows]
 
     def power_ons(self, name: str) -> int:
-        """Power-ons in the server's emulator log (warm spares are off: every Reset of a
-        Redfish one is a power-on; `set power 1` in an IPMI one's chassis log)."""
-        entry = self.colo.state()["servers"][name]
-        if entry["protocol"] == "redfish":
-            sushy = self.colo._sushy
-            assert sushy is not None
-            return len(sushy.resets(entry["system_id"]))
-        lines = (Path(entry["chassis_dir"]) / "chassis.log").read_text().splitlines()
-        return sum(1 for line in lines if line.split()[1:] == ["set", "power", "1"])
+        """Power-ons at the server's emulator (warm spares are off: VirtualColo.power_ons)."""
+        return self.colo.power_ons(name)
 
     def moves(self, name: str, after: int) -> list[tuple[str | None, str | None]]:
         with Session(self.engine) as session:
