@@ -13,6 +13,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -145,3 +146,9 @@ def check_migrated(engine: Engine) -> None:
             f"database schema is at {current or 'nothing'}, code needs {head}: "
             "run `fleetctl db upgrade`"
         )
+
+
+def upsert(table: sa.Table, dialect: str) -> postgresql.Insert | sqlite.Insert:
+    """An INSERT into `table` that takes `on_conflict_do_update` (Postgres and SQLite spell
+    it alike; `dialect`: the bind's dialect name)."""
+    return postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)

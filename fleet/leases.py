@@ -30,9 +30,9 @@ from datetime import datetime, timedelta
 from weakref import WeakKeyDictionary, ref
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
+from fleet.db import upsert
 from fleet.models import Lease, utcnow
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,7 @@ def take(engine: Engine, name: str, holder: str, ttl_s: float, now: datetime) ->
     one writer at a time)."""
     values = {"name": name, "holder": holder, "taken_at": now}
     values["expires_at"] = now + timedelta(seconds=ttl_s)
-    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
-    statement = insert(_TABLE).values(values)
+    statement = upsert(_TABLE, engine.dialect.name).values(values)
     statement = statement.on_conflict_do_update(
         index_elements=[_TABLE.c.name],
         set_={c: statement.excluded[c] for c in ("holder", "taken_at", "expires_at")},

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Mapping
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from fleet.db import upsert
 from fleet.models import Wakeup
 
 PROVISIONER = "provisioner"
@@ -37,9 +37,7 @@ def request(session: Session, loop: str = PROVISIONER) -> None:
     upsert: the migration seeds the row, and a missing one is made, never an error. Call it
     after the transaction's other writes (its statement flushes them first): the row is then
     always the last lock a transaction takes, and no two wait on each other through it."""
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    statement = insert(_TABLE).values(name=loop, seq=1)
+    statement = upsert(_TABLE, session.get_bind().dialect.name).values(name=loop, seq=1)
     session.execute(
         statement.on_conflict_do_update(
             index_elements=[_TABLE.c.name], set_={"seq": _TABLE.c.seq + 1}
