@@ -201,6 +201,14 @@ class Settings(BaseSettings):
     rollout_max_latency_ratio: float = Field(default=1.5, ge=1)
     # Agents heartbeat this often (the fleet tells them in every reply).
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    # On Postgres, a heartbeat that changes nothing the fleet acts on is answered on the event
+    # loop from what the last full one left, checked with one statement on one of
+    # `heartbeat_connections` connections of its own, and its measurements written in one
+    # batch every `heartbeat_batch_s` (fleet/registry/heartbeat_ingest.py). Off: every
+    # heartbeat takes the full path.
+    heartbeat_fast_path: bool = True
+    heartbeat_connections: int = Field(default=2, ge=1, le=16)
+    heartbeat_batch_s: float = Field(default=0.25, gt=0, le=5)
     # The agent URL and replica URLs an agent reports must name the address its request came
     # from, or lie in one of these networks (agents behind NAT or a proxy): CIDRs, comma-separated
     # ("10.20.0.0/16,fd00:20::/64") or a JSON list.

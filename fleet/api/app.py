@@ -19,6 +19,7 @@ from fleet import db
 from fleet.api.access import AccessMiddleware, log_answer
 from fleet.api.admission import Admission
 from fleet.api.edge import EdgeMiddleware, Limits
+from fleet.api.fast_heartbeats import FastHeartbeats
 from fleet.api.metrics import FleetCollector, HttpMetrics, LoopCollector
 from fleet.api.openapi import AllowEveryMethod, document
 from fleet.api.routes import (
@@ -45,6 +46,7 @@ from fleet.control.loops import stop_all
 from fleet.control.service_loops import build_loops
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError, ValidationFailed
+from fleet.registry.heartbeat_ingest import HeartbeatIngest, conninfo_of
 from fleet.settings import Settings, get_settings
 from fleet.validation import error_messages
 
@@ -93,6 +95,17 @@ def create_app(
     # fleet/control/leader.py).
     loops = build_loops(settings, engine, box) if settings.run_loops else []
     readiness = Readiness(engine)
+    heartbeats = (
+        HeartbeatIngest(
+            conninfo_of(engine),
+            connections=settings.heartbeat_connections,
+            flush_s=settings.heartbeat_batch_s,
+            prepared=settings.db_prepared_statements,
+            application_name=settings.db_application_name,
+        )
+        if settings.heartbeat_fast_path and engine.dialect.name == "postgresql"
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -105,6 +118,8 @@ def create_app(
         try:
             yield
         finally:
+            if heartbeats is not None:
+                await heartbeats.stop()
             # Within the shutdown bound (fleet/cli/'s `serve` has a watchdog past it): a tick stuck
             # in a BMC call is left behind rather than waited for.
             stop_all(loops, max(1.0, settings.shutdown_timeout_s - settings.shutdown_grace_s - 1))
@@ -119,6 +134,7 @@ def create_app(
     app.state.settings, app.state.engine, app.state.box = settings, engine, box
     app.state.loops = loops
     app.state.readiness = readiness
+    app.state.heartbeats = heartbeats
     registry = CollectorRegistry()
     registry.register(FleetCollector(engine, settings))
     registry.register(LoopCollector(loops))
@@ -132,6 +148,11 @@ def create_app(
     app.add_middleware(AllowEveryMethod, routes=app.router.routes)
     limits = Limits(settings.max_body_bytes, settings.max_inventory_bytes)
     app.add_middleware(EdgeMiddleware, engine=engine, limits=limits)
+    # Steady heartbeats answered before the edge (fleet/api/fast_heartbeats.py): it refuses
+    # nothing, and what it does not answer reaches the edge as it came.
+    app.add_middleware(
+        FastHeartbeats, ingest=heartbeats, routes=app.router.routes, limit=limits.json_bytes
+    )
     app.add_middleware(
         AccessMiddleware, metrics=http_metrics, retry_after_s=settings.api_retry_after_s
     )

@@ -204,7 +204,7 @@ def role_refusal(principal: Principal, role: Role) -> str:
     return f"{article} {principal.role.value} token cannot do this; it needs the {role.value} role"
 
 
-def _declared_length(headers: Headers) -> int | None:
+def declared_length(headers: Headers) -> int | None:
     value = headers.get("content-length", "").strip()
     # ASCII digits only ("²".isdigit() is true); the HTTP parser has refused worse already.
     return int(value) if value.isascii() and value.isdigit() else None
@@ -225,7 +225,7 @@ class EdgeMiddleware:
         path: str = scope["path"]
         problems = path_problems(path, scope.get("query_string", b""))
         headers = Headers(scope=scope)
-        declared = _declared_length(headers)
+        declared = declared_length(headers)
         has_body = bool(declared) or "transfer-encoding" in headers
         if problems:
             await _answer(scope, receive, send, 422, invalid(problems), has_body)

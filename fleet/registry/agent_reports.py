@@ -22,7 +22,7 @@ registration and is stored encrypted (fleet.crypto.SecretBox), never shown.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 from typing import Any
 from urllib.parse import urlsplit
@@ -52,6 +52,9 @@ from fleet_core.wire import Heartbeat as Heartbeat
 from fleet_core.wire import Registration as Registration
 
 Network = IPv4Network | IPv6Network
+# Called inside a heartbeat's transaction, before it commits: what to call once it has
+# (fleet/registry/heartbeat_ingest.py keeps the answer for the server's next steady report).
+Capture = Callable[[Session, Server, wire.Reply], Callable[[], None] | None]
 
 
 class Forbidden(FleetError):
@@ -351,9 +354,11 @@ def heartbeat(
     peer: str | None,
     networks: Sequence[Network] = (),
     drawn_fresh: float | None = None,
+    capture: Capture | None = None,
 ) -> Reply:
     """`drawn_fresh`: seconds a BMC's draw reading stays fresh, during which the agent's
-    estimate does not replace it (default: fleet/power/measure.drawn_fresh_s of the settings)."""
+    estimate does not replace it (default: fleet/power/measure.drawn_fresh_s of the settings).
+    `capture`: see Capture; the answer is computed inside the transaction for it."""
     server = _own_server(session, principal, report.server)
     # A replica URL off the rule is dropped (the replica gets no traffic), not the heartbeat:
     # refusing the whole report would hide the GPUs' health and, after the silence deadline,
@@ -406,8 +411,12 @@ def heartbeat(
                 reasons=[r.code for r in report.reasons],
             )
         )
+    reply = _reply(session, server, interval_s, refused)
+    kept = capture(session, server, reply) if capture is not None else None
     session.commit()
-    return _reply(session, server, interval_s, refused)
+    if kept is not None:
+        kept()
+    return reply
 
 
 def _decided_on(server: Server) -> tuple[object, ...]:

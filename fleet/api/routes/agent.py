@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from fleet.api.deps import AgentCaller, BoxDep, SessionDep, SettingsDep
 from fleet.power.measure import drawn_fresh_s
 from fleet.registry.agent_reports import Heartbeat, Registration, Reply, heartbeat, register
+from fleet.registry.heartbeat_ingest import HeartbeatIngest
 
 router = APIRouter(tags=["agent"], prefix="/agent")
 
@@ -50,13 +51,19 @@ def agent_heartbeat(
 ) -> Reply:
     """Every few seconds: the health verdict, repair action, per-GPU state and replicas (their
     URLs under the same rule as the agent's). Answered with the server's assignment (nothing,
-    a deployment's replicas, or drain)."""
+    a deployment's replicas, or drain). On Postgres, a report that changes nothing the fleet
+    acts on is answered before it gets here (fleet/api/fast_heartbeats.py) from what this one
+    keeps."""
+    ingest: HeartbeatIngest | None = request.app.state.heartbeats
+    peer = _peer(request)
+    fresh_s = drawn_fresh_s(settings)
     return heartbeat(
         session,
         agent,
         report,
         settings.heartbeat_interval_s,
-        peer=_peer(request),
+        peer=peer,
         networks=settings.agent_networks,
-        drawn_fresh=drawn_fresh_s(settings),
+        drawn_fresh=fresh_s,
+        capture=ingest.capture(report, peer, agent.token_id, fresh_s) if ingest else None,
     )
