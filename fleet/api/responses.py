@@ -150,6 +150,8 @@ class ScalingSignals(BaseModel):
     p95_latency_s: float | None
     ttft_p95_s: float | None
     serving_gpus: int
+    # Requests running ÷ batch slots (max_batch_size × replicas); None: no batch size set.
+    slot_use: float | None = None
 
 
 class ScalingStatus(BaseModel):

@@ -79,6 +79,14 @@ The rules, in order (the first that applies decides; `rule` names it):
      target), used where it prevents flapping: a scale-down that would put the deployment
      within 10 % of scaling straight back up is not taken ("hold"). Going to zero servers
      needs every signal at exactly zero for the whole window (no traffic at all);
+   - the engines' batches would not run near full: the PEAK batch-slot use over the window
+     (requests running ÷ max_batch_size slots, `Signals.slot_use`), projected onto the
+     one-server-smaller capacity, must stay under `slot_ceiling` (75 %) ("hold"). Queue and
+     latency grow with load in proportion only while the batches have room; near a full batch
+     they jump, so a projection of them alone let a deployment be scaled in from two servers
+     to one under a load one could not serve, and straight back up (docs/sim.md). Without a
+     batch size (the deployment's engine options set none) there is no slot use and this
+     check is skipped;
    - the look-ahead line (if there is one) projected `boot_p90_s` ahead onto that capacity
      stays under it too ("hold": the load would want the server back before it could boot);
    - `cooldown_down_s` has passed since the last scale-up AND the last scale-down
@@ -456,6 +464,28 @@ def _down(
             f"be {fmt(peak)}× of its scale-up threshold (not under {fmt(limit)}: "
             f"tolerance {fmt(c.tolerance)}): hold",
         )
+    # Saturation: the queue and the latencies grow with the load in proportion only while the
+    # engines' batches have room; near a full batch they jump. So the batch slots the window's
+    # peak kept busy, projected onto one server fewer, must stay under the ceiling.
+    busiest = max(
+        (
+            o.slot_use * (max(o.serving_gpus, fallback_gpus) or after_gpus)
+            for o in run
+            if o.slot_use is not None
+        ),
+        default=None,
+    )
+    if busiest is not None:
+        slot_use = 0.0 if busiest == 0 else busiest / after_gpus if after_gpus > 0 else math.inf
+        inputs["projected_slot_use"] = slot_use
+        if not slot_use < c.slot_ceiling:
+            return _Proposal(
+                state.target,
+                "hold",
+                f"{low_reason}, but on {want} servers the window's peak would keep "
+                f"{fmt(slot_use * 100)} % of the engines' batch slots busy (not under "
+                f"{c.slot_ceiling:.0%}: latency jumps near a full batch): hold",
+            )
     if rising is not None:
         latest_gpus = obs[-1].serving_gpus or fallback_gpus
         ahead = rising.per_gpu_ahead(state.boot_p90_s, latest_gpus, after_gpus)

@@ -40,6 +40,7 @@ from fleet.provisioning.boot_times import boot_figures, measured_boots, p90
 from fleet.provisioning.boots import rack_rooms, want_for, warm_spares
 from fleet.registry.routing_table import router_loads
 from fleet.settings import Settings
+from fleet_core.engines import spec as engine_spec
 
 ACTOR = "autoscaler"
 S = ServerState
@@ -51,6 +52,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
         up_window_s=settings.autoscale_up_window_s,
         down_window_s=settings.autoscale_down_window_s,
         cooldown_down_s=settings.autoscale_cooldown_down_s,
+        slot_ceiling=settings.autoscale_slot_ceiling,
         cooldown_up_s=settings.autoscale_up_window_s,  # the policy's own rule of thumb
     )
 
@@ -106,7 +108,7 @@ def autoscale_once(
             servers = list(
                 session.exec(select(Server).where(Server.deployment_id == deployment.id))
             )
-            signals = observe(servers, routers.get(deployment.name), settings, at)
+            signals = observe(servers, routers.get(deployment.name), settings, at, deployment)
             window = history.add(deployment.name, signals)
             boot = next_boot(session, deployment, world, settings, boots)
             state = _state(session, deployment, servers, settings, boot.seconds)
@@ -131,10 +133,15 @@ def fresh_router_loads(session: Session, settings: Settings, at: datetime) -> di
 
 
 def observe(
-    servers: list[Server], load: RouterLoad | None, settings: Settings, at: datetime
+    servers: list[Server],
+    load: RouterLoad | None,
+    settings: Settings,
+    at: datetime,
+    deployment: Deployment | None = None,
 ) -> Signals:
     """A deployment's signals at `at`: its serving servers' heartbeats of the last three
-    intervals (an older one says nothing about now), with the routers' load."""
+    intervals (an older one says nothing about now), with the routers' load; the batch slots
+    per replica are `deployment`'s max_batch_size (its engine's option), when it sets one."""
     fresh_after = at - timedelta(seconds=3 * settings.heartbeat_interval_s)
     fresh = [
         {"gpu_count": s.gpu_count, "replicas": s.replicas}
@@ -144,7 +151,12 @@ def observe(
         and s.last_heartbeat_at >= fresh_after
     ]
     epoch = at.timestamp()
-    return aggregate(fresh, epoch, load) if fresh else Signals(epoch, None, None, None, None)
+    if not fresh:
+        return Signals(epoch, None, None, None, None)
+    slots = None
+    if deployment is not None:
+        slots = engine_spec(deployment.engine).max_batch_size(deployment.engine_params or {})
+    return aggregate(fresh, epoch, load, slots_per_replica=slots)
 
 
 @dataclass(frozen=True)
@@ -344,7 +356,7 @@ def status(session: Session, settings: Settings, at: datetime) -> list[dict[str,
                 "last_reason": last.reason if last else None,
                 "last_decision_at": last.at if last else None,
                 "signals": _signals_dict(
-                    observe(servers, routers.get(deployment.name), settings, at)
+                    observe(servers, routers.get(deployment.name), settings, at, deployment)
                 ),
             }
         )

@@ -70,6 +70,10 @@ class Signals:
     p95_latency_s: float | None  # end-to-end p95 (the engines' histograms)
     ttft_p95_s: float | None
     serving_gpus: int = 0
+    # Requests running ÷ the batch slots (max_batch_size) of the replicas that report running;
+    # None where the batch size is unknown. Not a scale-up signal: what a scale-in checks
+    # (latency is not proportional near a full batch: policy rule 5).
+    slot_use: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,8 @@ class PolicyConfig:
     queue_per_gpu_target: float = 10.0
     latency_fraction: float = 0.9  # scale up when p95 > 90 % of the SLA (latency and TTFT)
     kv_high: float = 0.85
+    # A scale-in must leave the window's peak batch-slot use, on one server fewer, under this.
+    slot_ceiling: float = 0.75
     up_window_s: float = 60.0  # sustained this long (every observation in the window over)
     down_window_s: float = 600.0
     low_water: float = 0.5  # scale down when EVERY signal < 50 % of its target for the window
@@ -129,6 +135,8 @@ class PolicyConfig:
         for name, value in windows.items():
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0 (got {value})")
+        if not 0 < self.slot_ceiling <= 1:
+            raise ValueError(f"slot_ceiling must be in (0, 1] (got {self.slot_ceiling})")
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1) (got {self.tolerance})")
         if self.max_step < 0:
@@ -251,7 +259,11 @@ def _num(x: Any) -> float | None:
 
 
 def aggregate(
-    servers: Sequence[Mapping[str, Any]], at: float, router: RouterLoad | None = None
+    servers: Sequence[Mapping[str, Any]],
+    at: float,
+    router: RouterLoad | None = None,
+    *,
+    slots_per_replica: int | None = None,
 ) -> Signals:
     """One observation from the serving servers' last heartbeats.
 
@@ -271,7 +283,9 @@ def aggregate(
       close, where the max would let one slow replica (a sick GPU, the fault policy's business)
       buy servers. An idle replica (queued and running 0) has no latency to report, which is
       not missing data: when no replica reports one and every one is idle, latency is 0.
-    - serving_gpus: the GPUs of the counted replicas.
+    - serving_gpus: the GPUs of the counted replicas;
+    - slot_use: requests running ÷ `slots_per_replica` (the deployment's max_batch_size) for
+      every counted replica that reports `running`; None without a batch size.
     Nothing to count at all: every signal None.
 
     With `router` (the routers' reports): its waiting requests join the queue (they wait for a
@@ -285,6 +299,8 @@ def aggregate(
     e2e_sum = ttft_sum = 0.0
     e2e_n = ttft_n = 0
     counted = 0
+    running_sum = 0.0
+    slots = 0  # replicas reporting `running`
     all_idle = True
     for server in servers:
         replicas = server.get("replicas") or ()
@@ -303,6 +319,9 @@ def aggregate(
                 queued += q
                 queue_gpus += gpus
             running = _num(r.get("running"))
+            if running is not None:
+                running_sum += running
+                slots += 1
             if not (q == 0 and running == 0):
                 all_idle = False
             k = _num(r.get("kv_used_fraction"))
@@ -334,6 +353,9 @@ def aggregate(
         p95_latency_s=p95,
         ttft_p95_s=ttft,
         serving_gpus=round(serving_gpus),
+        slot_use=running_sum / (slots * slots_per_replica)
+        if slots and slots_per_replica and slots_per_replica > 0
+        else None,
     )
 
 

@@ -154,10 +154,15 @@ def observe(
     router: RouterLoad,
     history: deque[Signals],
     keep_s: float,
+    slots_per_replica: int | None = None,
 ) -> list[Signals]:
     """`aggregate` the heartbeats (every signal None when nothing serves, as the service does)
     and keep the window as `History.add` keeps it."""
-    signals = aggregate(servers, at, router) if servers else Signals(at, None, None, None, None)
+    signals = (
+        aggregate(servers, at, router, slots_per_replica=slots_per_replica)
+        if servers
+        else Signals(at, None, None, None, None)
+    )
     history.append(signals)
     while history and history[0].at < at - keep_s:
         history.popleft()

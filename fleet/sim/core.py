@@ -473,7 +473,7 @@ class Simulation:
             servers.append({"gpu_count": engine.shape.gpus, "replicas": [replica]})
         r_e2e, r_ttft = auto.p95(dep.router_stats, now)
         load = RouterLoad(waiting=len(dep.waiting), p95_s=r_e2e, ttft_p95_s=r_ttft)
-        window = auto.observe(servers, now, load, dep.history, a.keep_s)
+        window = auto.observe(servers, now, load, dep.history, a.keep_s, dep.spec.max_batch_size)
         serving = dep.serving()
         state = auto.state(
             dep.spec.name,

@@ -515,6 +515,44 @@ def test_the_tolerance_uses_the_windows_peak_not_the_newest() -> None:
     assert run(history, target=2, serving=2).rule == "hold"
 
 
+def _slots(history: list[Signals], slot_use: float | None) -> list[Signals]:
+    return [replace(o, slot_use=slot_use) for o in history]
+
+
+def test_a_scale_in_that_would_fill_the_batches_is_not_taken() -> None:
+    # Every signal quiet on 2 servers, but their engines' batches 40 % busy: on one server 80 %,
+    # past the ceiling (75 %), where latency is no longer proportional to load: hold.
+    quiet = {"queue": 0.0, "p95": 0.3, "ttft": 0.05, "kv": 0.1}
+    edge = CFG.slot_ceiling / 2
+    d = run(_slots(steady(quiet, gpus=16), edge), target=2, serving=2)
+    assert (d.delta, d.rule) == (0, "hold")
+    assert "batch slots" in d.reason and d.inputs["projected_slot_use"] == CFG.slot_ceiling
+    d = run(_slots(steady(quiet, gpus=16), below(edge)), target=2, serving=2)
+    assert (d.target, d.rule) == (1, "scale_down")
+    # No batch size known (slot_use None): the other signals decide alone, as before.
+    d = run(_slots(steady(quiet, gpus=16), None), target=2, serving=2)
+    assert (d.target, d.rule) == (1, "scale_down")
+
+
+def test_the_slot_check_uses_the_windows_peak_and_the_gpus_then() -> None:
+    quiet = {"queue": 0.0, "p95": 0.3, "ttft": 0.05, "kv": 0.1}
+    history = _slots(steady(quiet, gpus=24), 0.2)  # 3 servers: 0.3 on 2
+    assert run(history, target=3, serving=3).rule == "scale_down"
+    history[-20] = replace(history[-20], slot_use=0.55)  # 0.825 on 2, 200 s ago
+    d = run(history, target=3, serving=3)
+    assert (d.delta, d.rule) == (0, "hold")
+    # Going to zero needs no traffic at all: an idle batch (0 running) does not stop it.
+    zero = {"queue": 0.0, "p95": 0.0, "ttft": 0.0, "kv": 0.0}
+    d = run(_slots(steady(zero, gpus=8), 0.0), target=1, serving=1, min_servers=0)
+    assert (d.target, d.rule) == (0, "scale_down")
+
+
+def test_slot_ceiling_is_checked() -> None:
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="slot_ceiling"):
+            PolicyConfig(slot_ceiling=bad)
+
+
 def test_late_heartbeats_do_not_make_a_scale_down_look_safe() -> None:
     # 2 servers serve, but the observations counted one's GPUs (the other's heartbeat was
     # late). Queue 4.9 on 16 GPUs is 9.8/GPU on one server: hold, whatever the 8 GPUs say.

@@ -153,6 +153,26 @@ def test_an_idle_deployment_scales_down_after_the_down_window(db: Engine, deploy
     assert target(db, deployment) == 1  # never below min_replicas (1 server)
 
 
+def test_a_scale_in_reads_the_batch_slots_from_the_deployments_engine(
+    db: Engine, deployment: str, session: Session
+) -> None:
+    """The replicas run 8 requests each: with max_batch_size 16 that is half their slots, and
+    on one server fewer it would be all of them (the ceiling is 75 %): no scale-in."""
+    dep = session.exec(select(Deployment).where(Deployment.name == deployment)).one()
+    dep.engine_params = {"backend": "pytorch", "max_batch_size": 16}
+    session.add(dep)
+    session.commit()
+    history = History.new(3600)
+    at = run(db, history, T0, 360, queued=0)
+    assert target(db, deployment) == 2
+    last = decisions(db)[-1]
+    assert last.rule == "hold" and "batch slots" in last.reason
+    assert last.inputs["projected_slot_use"] == 1.0
+    with Session(db) as s:
+        [row] = status(s, settings(), at - timedelta(seconds=15))
+        assert row["signals"]["slot_use"] == 0.5
+
+
 def test_pinned_and_paused(db: Engine, deployment: str, session: Session) -> None:
     dep = session.exec(select(Deployment)).one()
     dep.pinned_replicas = 4

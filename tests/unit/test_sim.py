@@ -189,6 +189,31 @@ def test_autoscaler_follows_a_spike() -> None:
     assert [r.finish for r in again.requests] == [r.finish for r in result.requests]
 
 
+def test_a_short_down_window_no_longer_scales_in_under_the_spike() -> None:
+    """The flap docs/sim.md recorded (issue 27): with a 120 s down window and a 60 s cooldown
+    the policy went from 2 replicas to 1 at 870 s while 40 req/s still arrived (its queue and
+    latency were low on 2, and their proportional projection stayed under the thresholds),
+    and the backlog scaled it back up 75 s later. The batch slots the spike kept busy, on one
+    replica fewer, are past the ceiling: it holds until the spike is over, then comes down one
+    at a time and never goes up again."""
+    result, _ = run(Scenario.model_validate(_with_autoscale(down_window_s=120, cooldown_down_s=60)))
+    tl = result.timeline
+    downs = [p for p in tl if p.rule == "scale_down"]
+    assert downs and tl[-1].target == 1
+    ups_after = [
+        p
+        for p in tl
+        if p.at > downs[0].at
+        and p.target > p.serving
+        and p.rule in ("queue_high", "latency_high", "ttft_high", "kv_high", "trend")
+    ]
+    assert not ups_after, f"scaled up again after scaling in: {ups_after[:3]}"
+    during = [p for p in tl if 300 + 120 <= p.at < 900]  # the spike, past its ramp
+    assert min(p.target for p in during) >= 2
+    held = [p for p in tl if p.rule == "hold" and 600 <= p.at < 900]
+    assert held, "the spike's tail should be held, not scaled in"
+
+
 def test_autoscaler_records_warm_pool_exhaustion() -> None:
     sc = Scenario.model_validate(_with_autoscale(warm_pool={"H100": 1}, boot_s={"mean": 60}))
     result, summary = run(sc)
