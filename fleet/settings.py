@@ -170,7 +170,7 @@ class Settings(BaseSettings):
     autoscale_down_window_s: float = Field(default=600.0, ge=0)
     autoscale_cooldown_down_s: float = Field(default=300.0, ge=0)
     # A scale-in leaves the engines' batch slots (max_batch_size) at most this busy (the
-    # window's peak, on one server fewer): fleet/autoscaler/policy.py, rule 5.
+    # window's peak, on one server fewer): fleet/autoscaler/policy.py, rule 6.
     autoscale_slot_ceiling: float = Field(default=0.75, gt=0, le=1)
     # Routers report their load every few seconds (fleet/router/); older reports are ignored.
     router_report_stale_s: float = Field(default=30.0, gt=0)

@@ -220,6 +220,9 @@ class DeploymentRoutes(BaseModel):
     sla_p95_latency_ms: float
     sla_ttft_ms: float
     replicas: list[RoutableReplica]
+    # No replica: the seconds a server takes to boot for it (what a router answers in
+    # Retry-After when a request waited for one in vain); None while it has replicas.
+    cold_start_s: float | None = None
     versions: RouteVersions = RouteVersions()
 
 

@@ -23,7 +23,7 @@ quickly. So:
   the last `trend_window_s`, projected `boot_p90_s` ahead (the measured p90 boot-to-ready) onto
   the capacity, scales up before the queue crosses its target, so that the capacity is there
   when it does. Only a real ramp counts: a step, a spike, a load that has levelled off or a
-  square wave is not extrapolated (rule 4).
+  square wave is not extrapolated (rule 5).
 - **Never scale down on missing data** (HPA's rule): a signal that is None anywhere in the
   down window, a gap in the observations, or a stale last observation holds (rule "no_data").
   Scale-up acts on whatever signals there are (a saturated engine may have finished no request
@@ -38,8 +38,13 @@ The rules, in order (the first that applies decides; `rule` names it):
 1. **pinned** — an operator's `fleetctl deployments scale D --replicas N`: the target is N
    servers, clamped to [0, max_servers]. Manual mode may go below min_servers and the calendar
    floor (the operator's word wins: to stop a deployment, pin 0); never above max_servers.
-2. **no_data** — no observation at or before `now`, or the newest is more than `max_gap_s` old.
-3. **Scale up** (rule: the signal with the largest ratio: "queue_high", "latency_high",
+2. **activate** — a deployment at zero servers (target, serving and on the way all 0) with
+   requests waiting for it in the routers (`router_waiting`, their reports: a router holds a
+   request for a deployment with no replica in its waiting room, fleet/router/pool.py): one
+   server at once, no up window (KEDA's activation, Knative's activator). Nothing serves it,
+   so there are no signals to wait for; the rules below take over once it serves.
+3. **no_data** — no observation at or before `now`, or the newest is more than `max_gap_s` old.
+4. **Scale up** (rule: the signal with the largest ratio: "queue_high", "latency_high",
    "ttft_high", "kv_high"), when every observation of the last `up_window_s` has a signal over
    its threshold: queue_per_gpu > queue_per_gpu_target, p95 > latency_fraction × SLA,
    TTFT p95 > latency_fraction × TTFT SLA, or kv_use > kv_high (strictly greater: a signal AT
@@ -56,7 +61,7 @@ The rules, in order (the first that applies decides; `rule` names it):
    most `max_step` per minute, which still answers any ramp well inside one boot time, while
    the projection keeps the steps from piling up. While the newest observation is over but
    the run is shorter than the window: "window".
-4. **trend** — the newest observation is over nothing, but the waiting requests are rising:
+5. **trend** — the newest observation is over nothing, but the waiting requests are rising:
    a least-squares line over `trend_window_s` (at least 3 observations, covering the window
    with no gap, every one with a queue value) projected `boot_p90_s` ahead onto the capacity
    is over the queue target: scale up by the step the projected ratio calls for (cooldown as
@@ -69,7 +74,7 @@ The rules, in order (the first that applies decides; `rule` names it):
    the two lines'. A server bought for load that is not coming costs a quarter of an hour of
    a GPU server, and a step is the threshold rules' business once it holds for the up window.
    `lookahead=False` turns the rule off.
-5. **Scale down** ("scale_down") by one server when, walking back from the newest
+6. **Scale down** ("scale_down") by one server when, walking back from the newest
    observation, every one has every signal present and under `low_water` × its target
    (queue: the queue target; p95 and TTFT: their SLAs; KV: kv_high), no gap, back to one at or
    before `now - down_window_s`, and then:
@@ -94,7 +99,7 @@ The rules, in order (the first that applies decides; `rule` names it):
    Short of that: "no_data" when the walk met a missing signal or a gap (never scale down on
    missing data), "window" when it ran out of history before the window's start, "hold" when
    it met a signal at or over its low water.
-6. **hold** otherwise.
+7. **hold** otherwise.
 
 Finally the answer is kept within [max(min_servers, floor), max_servers]; when that changes
 it, the rule becomes "min", "floor" (the calendar's floor is the higher bound) or "max", and
@@ -102,7 +107,7 @@ the reason says what the rule wanted. When the floor is above max_servers, max w
 ceiling, e.g. a quota). A target outside the bounds is moved into them even on missing data.
 
 The types, the per-signal thresholds and `aggregate` (heartbeat replica stats → one `Signals`)
-are in fleet/autoscaler/signals.py; the look-ahead's lines (rule 4) in fleet/autoscaler/trend.py.
+are in fleet/autoscaler/signals.py; the look-ahead's lines (rule 5) in fleet/autoscaler/trend.py.
 """
 
 from __future__ import annotations
@@ -206,6 +211,15 @@ def _propose(
     c: PolicyConfig,
     inputs: dict[str, float | int | str | None],
 ) -> _Proposal:
+    if state.target == 0 and state.serving == 0 and state.on_the_way == 0:
+        inputs["router_waiting"] = state.router_waiting
+        if state.router_waiting > 0:
+            return _Proposal(
+                1,
+                "activate",
+                f"{state.router_waiting} request(s) wait in the routers for a deployment at zero "
+                "servers: +1 at once (the first server has no up window)",
+            )
     obs = [o for o in history if o.at <= now]
     ats = [o.at for o in obs]
     if ats != sorted(ats):

@@ -111,7 +111,10 @@ def autoscale_once(
             signals = observe(servers, routers.get(deployment.name), settings, at, deployment)
             window = history.add(deployment.name, signals)
             boot = next_boot(session, deployment, world, settings, boots)
-            state = _state(session, deployment, servers, settings, boot.seconds)
+            load = routers.get(deployment.name)
+            state = _state(
+                session, deployment, servers, settings, boot.seconds, load.waiting if load else 0
+            )
             decision = decide(state, window, epoch, config)
             extra: dict[str, Any] = {"boot_basis": boot.basis, "next_spare": boot.spare}
             if decision.target > deployment.target_servers:
@@ -236,6 +239,7 @@ def _state(
     servers: list[Server],
     settings: Settings,
     boot_s: float,
+    router_waiting: int = 0,
 ) -> DeploymentState:
     gpus = gpus_per_server(session, deployment, servers)
     per_server = replicas_per_server(deployment, gpus)
@@ -258,6 +262,7 @@ def _state(
         on_the_way=sum(s.state in (S.BOOTING, S.LOADING) for s in servers),
         boot_p90_s=boot_p90,
         pinned=pinned,
+        router_waiting=router_waiting,
         last_up_at=deployment.last_scale_up_at.timestamp() if deployment.last_scale_up_at else None,
         last_down_at=(
             deployment.last_scale_down_at.timestamp() if deployment.last_scale_down_at else None

@@ -42,6 +42,7 @@ __all__ = [
 
 RULES = frozenset(
     {
+        "activate",
         "queue_high",
         "latency_high",
         "ttft_high",
@@ -72,7 +73,7 @@ class Signals:
     serving_gpus: int = 0
     # Requests running ÷ the batch slots (max_batch_size) of the replicas that report running;
     # None where the batch size is unknown. Not a scale-up signal: what a scale-in checks
-    # (latency is not proportional near a full batch: policy rule 5).
+    # (latency is not proportional near a full batch: policy rule 6).
     slot_use: float | None = None
 
 
@@ -160,6 +161,9 @@ class DeploymentState:
     on_the_way: int = 0  # booting + loading: they count as capacity
     boot_p90_s: float = 900.0  # measured p90 boot-to-ready (the look-ahead horizon)
     pinned: int | None = None  # manual mode: `fleetctl deployments scale D --replicas N`
+    # Requests waiting in the routers for it (their fresh reports, summed): for a deployment at
+    # zero servers the only sign of demand there is.
+    router_waiting: int = 0
     last_up_at: float | None = None
     last_down_at: float | None = None
 

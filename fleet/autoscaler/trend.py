@@ -1,4 +1,4 @@
-"""The look-ahead (rule 4 of the policy, fleet/autoscaler/policy.py): least-squares lines
+"""The look-ahead (rule 5 of the policy, fleet/autoscaler/policy.py): least-squares lines
 through a deployment's waiting requests, and the tests that tell a real ramp from a step, a
 spike or a load that has levelled off.
 

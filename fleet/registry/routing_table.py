@@ -26,6 +26,7 @@ from fleet.models import (
     OptNumber,
     RouterReport,
     RouterUsage,
+    ScalingDecision,
     Server,
     utcnow,
 )
@@ -104,6 +105,9 @@ def routing_table(
                 "sla_p95_latency_ms": deployment.sla_p95_latency_ms,
                 "sla_ttft_ms": deployment.sla_ttft_ms,
                 "replicas": replicas,
+                # For a deployment with no replica: how long a server takes to boot for it
+                # (the Retry-After of a request that waited for one in vain).
+                "cold_start_s": None if replicas else cold_start_s(session, deployment, settings),
                 # The router splits requests by version (docs/router.md): `canary_weight` of
                 # them to the canary's replicas, the rest to the stable version's.
                 "versions": {
@@ -114,6 +118,22 @@ def routing_table(
             }
         )
     return out
+
+
+def cold_start_s(session: Session, deployment: Deployment, settings: Settings) -> float:
+    """The boot-to-ready the autoscaler last reckoned with for the deployment (its latest
+    decision's `boot_p90_s`: the spare placement would boot next), else the configured
+    estimate (FLEET_BOOT_ESTIMATE_S)."""
+    inputs = session.exec(
+        select(ScalingDecision.inputs)
+        .where(ScalingDecision.deployment == deployment.name)
+        .order_by(col(ScalingDecision.id).desc())
+        .limit(1)
+    ).first()
+    value = (inputs or {}).get("boot_p90_s")
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return settings.boot_estimate_s
 
 
 # ---------------------------------------------------------------------------------------------

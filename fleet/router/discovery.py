@@ -94,6 +94,8 @@ class WorkerView:
             pool.models = frozenset(row.get("models") or [name])
             pool.engine = str(row.get("engine") or "trtllm")
             pool.priorities = table_priorities(row)
+            cold = row.get("cold_start_s")
+            pool.cold_start_s = float(cold) if isinstance(cold, int | float) else None
             limit = int(row.get("max_batch_size") or self.settings.replica_limit)
             current: dict[str, Replica] = {}
             for item in row.get("replicas") or []:

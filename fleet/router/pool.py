@@ -38,7 +38,13 @@ class QueueFull(Exception):
 
 
 class NoReplica(Exception):
-    """Nothing to send to (no replica, or none freed up in time): 503."""
+    """Nothing to send to (no replica, or none freed up in time): 503. `retry_after_s`: when
+    to come back, where the pool knows better than the router's setting (a deployment at zero
+    servers: its boot time)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(init=False)
@@ -113,6 +119,9 @@ class DeploymentPool:
     priorities: dict[Priority, ClassFields] = field(
         default_factory=lambda: {"interactive": NONE, "batch": NONE}
     )
+    # Seconds a server takes to boot for it (the routing table's `cold_start_s`): the
+    # Retry-After of a request that waited in vain while the deployment had no replica.
+    cold_start_s: float | None = None
 
     # -- versions -------------------------------------------------------------------------
 
@@ -193,7 +202,11 @@ class DeploymentPool:
         exclude: frozenset[str] = frozenset(),
         timeout: float,
     ) -> Ticket:
-        if not any(url not in exclude for url in self.replicas):
+        # Every replica failed this request: nothing to wait for. A deployment with no replica
+        # at all (scaled to zero, or every server gone) is waited for like a busy one: the
+        # waiting requests are the demand the router reports, on which the autoscaler boots
+        # a server for it at once (fleet/autoscaler/policy.py, "activate").
+        if exclude and not any(url not in exclude for url in self.replicas):
             raise NoReplica(f"deployment {self.name!r} has no replica to send to")
         # Waiters first: a new request never overtakes one already waiting for the same class.
         if not len(self.queue):
@@ -211,6 +224,14 @@ class DeploymentPool:
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except TimeoutError:
             if self.queue.remove(waiter):
+                if not self.replicas:
+                    cold = self.cold_start_s
+                    boot = f": a server takes ~{cold:.0f} s to boot for it" if cold else ""
+                    raise NoReplica(
+                        f"deployment {self.name!r} has no server serving it (scaled to zero?) "
+                        f"and none came within {timeout:g} s{boot}",
+                        retry_after_s=cold,
+                    ) from None
                 raise NoReplica(
                     f"deployment {self.name!r}: no replica freed up within {timeout:g} s"
                 ) from None

@@ -444,8 +444,9 @@ class Router:
                     status = "503"
                     if attempt and tried:
                         exc = NoReplica(f"{exc} (tried {len(tried)} that failed)")
+                    wait = s.retry_after_s if exc.retry_after_s is None else exc.retry_after_s
                     error = openai_error(
-                        503, str(exc), "service_unavailable", retry_after=s.retry_after_s
+                        503, str(exc), "service_unavailable", retry_after=max(1, round(wait))
                     )
                     return error, pool.name
                 finally:

@@ -180,6 +180,7 @@ def state(
     last_up_at: float | None,
     last_down_at: float | None,
     floor: int = 0,
+    router_waiting: int = 0,
 ) -> DeploymentState:
     """As the service's `_state`: one replica per server here; `floor` is the calendar's."""
     return DeploymentState(
@@ -194,6 +195,7 @@ def state(
         serving=serving,
         on_the_way=booting,
         boot_p90_s=spec.ready_p90_s,
+        router_waiting=router_waiting,
         last_up_at=last_up_at,
         last_down_at=last_down_at,
     )

@@ -485,6 +485,7 @@ class Simulation:
             last_up_at=dep.last_up_at,
             last_down_at=dep.last_down_at,
             floor=dep.floor,
+            router_waiting=len(dep.waiting),
         )
         decision = decide(state, window, now, a.policy_config())
         if decision.target != dep.target and decision.rule not in ("min", "floor", "pinned"):

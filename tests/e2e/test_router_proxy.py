@@ -125,7 +125,12 @@ class Router(RouterProcess):
         super().__init__(tmp / f"router-{n}.log", settings, "--table", str(self.table))
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 
-    def write(self, replicas: list[dict[str, Any]], max_batch: int | None = None) -> None:
+    def write(
+        self,
+        replicas: list[dict[str, Any]],
+        max_batch: int | None = None,
+        cold_start_s: float | None = None,
+    ) -> None:
         row = {
             "deployment": DEPLOYMENT,
             "models": [DEPLOYMENT, MODEL],
@@ -133,6 +138,7 @@ class Router(RouterProcess):
             "tp_size": 1,
             "max_batch_size": max_batch,
             "replicas": replicas,
+            "cold_start_s": cold_start_s,
         }
         self.table.write_text(json.dumps({"results": [row]}))
 
@@ -287,6 +293,34 @@ def test_an_agent_turning_not_ready_gets_no_new_request_within_half_a_second(
     assert (a.served(), b.served()) == (2, 8)
     agent_a.state = {**agent_a.state, "ready": True, "draining": False}
     wait_for("a ready again", lambda: all(r["ready"] for r in router.state()["replicas"]), 5)
+
+
+def test_a_deployment_at_zero_holds_requests_and_says_how_long_a_boot_takes(
+    stack: ExitStack, tmp_path: Path
+) -> None:
+    """No replica (scaled to zero): a request waits in the room (the demand the router
+    reports) up to the queue timeout, then 503 with Retry-After: the boot time the table
+    gives; a request still waiting when a replica appears is served by it."""
+    [a] = engines(stack, tmp_path, ["L40S"])  # the server that will come, started ahead
+    router = start_router(stack, tmp_path, [], FLEET_ROUTER_QUEUE_TIMEOUT_S="2")
+    router.write([], cold_start_s=840.0)
+    time.sleep(0.5)  # the table polled (every 0.2 s)
+    body = {"model": DEPLOYMENT, "prompt": "p", "max_tokens": 1}
+    refused = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+    assert refused.status_code == 503
+    assert refused.headers["Retry-After"] == "840"
+    assert "~840 s to boot" in refused.json()["error"]["message"]
+    answers: list[int] = []
+    held = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{router.url}/v1/completions", json=body, timeout=10).status_code
+        )
+    )
+    held.start()
+    wait_for("the request to wait", lambda: sum(router.state()["queue"].values()) == 1, 5)
+    router.write([replica(a, "L40S")])
+    held.join(10)
+    assert answers == [200]
 
 
 def test_429_only_when_the_bounded_queue_is_full_and_interactive_overtakes_batch(

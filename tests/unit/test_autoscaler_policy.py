@@ -553,6 +553,25 @@ def test_slot_ceiling_is_checked() -> None:
             PolicyConfig(slot_ceiling=bad)
 
 
+def test_requests_waiting_for_a_deployment_at_zero_activate_one_server_at_once() -> None:
+    at_zero: dict[str, Any] = {"target": 0, "serving": 0, "min_servers": 0}
+    d = run([], router_waiting=3, **at_zero)
+    assert (d.target, d.rule) == (1, "activate")
+    assert "3 request(s) wait" in d.reason and d.inputs["router_waiting"] == 3
+    # No waiting: nothing to go on, it stays at zero.
+    d = run([], **at_zero)
+    assert (d.target, d.rule) == (0, "no_data")
+    # A server already on its way, or one already asked for: no second one.
+    assert run([], router_waiting=3, target=0, serving=0, on_the_way=1, min_servers=0).rule != (
+        "activate"
+    )
+    assert run([], router_waiting=3, target=1, serving=0, min_servers=0).target == 1
+    # The operator's pin and max win.
+    assert run([], router_waiting=3, pinned=0, **at_zero).target == 0
+    d = run([], router_waiting=3, max_servers=0, **at_zero)
+    assert (d.target, d.rule) == (0, "max")
+
+
 def test_late_heartbeats_do_not_make_a_scale_down_look_safe() -> None:
     # 2 servers serve, but the observations counted one's GPUs (the other's heartbeat was
     # late). Queue 4.9 on 16 GPUs is 9.8/GPU on one server: hold, whatever the 8 GPUs say.

@@ -15,8 +15,9 @@ from sqlmodel import Session, col, select
 
 from fleet.autoscaler.service import History, autoscale_once, status
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Event, Pool, ScalingDecision, Server
+from fleet.models import Deployment, Event, Pool, RouterReport, ScalingDecision, Server
 from fleet.provisioning.autopilot import set_paused
+from fleet.registry.routing_table import routing_table
 from fleet.settings import Settings
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -171,6 +172,37 @@ def test_a_scale_in_reads_the_batch_slots_from_the_deployments_engine(
     with Session(db) as s:
         [row] = status(s, settings(), at - timedelta(seconds=15))
         assert row["signals"]["slot_use"] == 0.5
+
+
+def test_a_deployment_at_zero_boots_one_server_when_routers_hold_requests_for_it(
+    db: Engine, deployment: str, session: Session
+) -> None:
+    """Scaled to zero (min 0): nothing serves it, so it has no signals; a router holding
+    requests for it reports them waiting, and the next tick asks for one server (no up
+    window). Meanwhile the routing table tells routers how long that boot takes."""
+    dep = session.exec(select(Deployment).where(Deployment.name == deployment)).one()
+    dep.min_replicas, dep.target_servers = 0, 0
+    session.add(dep)
+    for server in session.exec(select(Server).where(Server.deployment_id == dep.id)):
+        server.deployment_id = None  # given back (their state does not matter here)
+        session.add(server)
+    session.commit()
+    history = History.new(3600)
+    autoscale_once(db, settings(), history, now=lambda: T0)
+    assert target(db, deployment) == 0  # no demand: it stays at zero
+    [row] = [r for r in routing_table(session, settings(), now=T0) if r["deployment"] == deployment]
+    assert row["replicas"] == [] and row["cold_start_s"] > 0
+    session.add(RouterReport(router="r1", deployment=deployment, at=T0, waiting=2))
+    session.commit()
+    autoscale_once(db, settings(), history, now=lambda: T0 + timedelta(seconds=15))
+    assert target(db, deployment) == 1
+    last = decisions(db)[-1]
+    assert last.rule == "activate" and last.target_before == 0
+    assert "2 request(s) wait in the routers" in last.reason
+    # The table's Retry-After now comes from the boot the autoscaler reckoned with.
+    session.expire_all()
+    [row] = [r for r in routing_table(session, settings(), now=T0) if r["deployment"] == deployment]
+    assert row["cold_start_s"] == last.inputs["boot_p90_s"]
 
 
 def test_pinned_and_paused(db: Engine, deployment: str, session: Session) -> None:

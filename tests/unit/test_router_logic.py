@@ -245,6 +245,34 @@ def test_a_waiter_times_out_and_a_cancelled_one_leaves_no_booking() -> None:
     asyncio.run(scenario())
 
 
+def test_a_deployment_at_zero_holds_its_requests_until_a_replica_comes() -> None:
+    """Scaled to zero: a request waits in the room (the demand the router reports, on which
+    the autoscaler boots a server at once) and goes to the first replica that appears; one
+    that waits in vain is told how long a boot takes."""
+
+    async def scenario() -> None:
+        p = pool(0, limit=4)
+        p.cold_start_s = 840.0
+        with pytest.raises(NoReplica, match=r"no server serving it .* ~840 s to boot") as caught:
+            await p.acquire(SMALL, "interactive", timeout=0.05)
+        assert caught.value.retry_after_s == 840.0 and len(p.queue) == 0
+        waiting = asyncio.create_task(p.acquire(SMALL, "interactive", timeout=5))
+        await asyncio.sleep(0.01)
+        assert len(p.queue) == 1 and not waiting.done()  # held, not refused
+        [replica] = replicas(1, limit=4)
+        p.replicas[replica.url] = replica  # the routing table lists the new server's replica
+        p.pump()  # as the proxy does when a replica becomes ready
+        ticket = await asyncio.wait_for(waiting, 1)
+        assert ticket.replica is replica and replica.inflight == 1
+        # With replicas that are merely busy, the timeout says so, with no boot time.
+        p.replicas[replica.url].inflight = replica.limit
+        with pytest.raises(NoReplica, match="no replica freed up") as busy:
+            await p.acquire(SMALL, "interactive", timeout=0.05)
+        assert busy.value.retry_after_s is None
+
+    asyncio.run(scenario())
+
+
 def test_failures_in_a_row_eject_a_replica_for_a_while() -> None:
     async def scenario() -> None:
         now = [100.0]
