@@ -1273,3 +1273,20 @@ class Wakeup(SQLModel, table=True):
 
     name: str = Field(primary_key=True, max_length=32)
     seq: int = Field(default=0, sa_type=sa.BigInteger)
+
+
+class BootRecord(SQLModel, table=True):
+    """One measured boot: power-on to serving, and its load part, of a server the provisioner
+    booted (fleet/provisioning/boot_times.py keeps the history and its quantiles)."""
+
+    __tablename__ = "boot_record"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = _ts(default_factory=utcnow, index=True)  # when it started serving
+    server: str = Field(max_length=63)
+    gpu_model: str = Field(max_length=32, index=True)
+    # True: the boot began with its version in the weights cache; False: it fetched first;
+    # None: not recorded (a resume, or a stage that a scale-out took over).
+    cache_hit: bool | None = None
+    boot_s: float
+    load_s: float | None = None

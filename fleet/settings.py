@@ -178,6 +178,11 @@ class Settings(BaseSettings):
     # measured (docs/hardware.md: 10–15 min of POST on large GPU servers, 3–5 more for the GPU
     # stack).
     boot_estimate_s: float = Field(default=1200.0, gt=0)
+    # Measured boots are kept this long; what the autoscaler and the calendar plan with is
+    # this quantile of them plus this margin (fleet/provisioning/boot_times.py).
+    boot_history_days: float = Field(default=90.0, gt=0, le=3650)
+    boot_quantile: float = Field(default=0.9, ge=0.5, le=1.0)
+    boot_margin_pct: float = Field(default=10.0, ge=0, le=200)
     # The scheduled-scaling calendar (fleet/calendar/): a tick of the leader. An entry fires
     # one measured p90 boot-to-ready before its minute, within one tick.
     calendar_interval_s: float = Field(default=30.0, gt=0)

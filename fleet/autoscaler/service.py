@@ -36,7 +36,7 @@ from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, ScalingDecision, Server, utcnow
 from fleet.provisioning import placement
 from fleet.provisioning.autopilot import get_autopilot
-from fleet.provisioning.boot_times import boot_figures, measured_boots, p90
+from fleet.provisioning.boot_times import BootQuantile, boot_figures, measured_boots
 from fleet.provisioning.boots import rack_rooms, want_for, warm_spares
 from fleet.registry.routing_table import router_loads
 from fleet.settings import Settings
@@ -101,7 +101,8 @@ def autoscale_once(
     with Session(engine, expire_on_commit=False) as session:
         if get_autopilot(session).paused:
             return []
-        boots = measured_boots(session)  # once a tick, for every deployment
+        # once a tick, for every deployment
+        boots = measured_boots(session, BootQuantile.of(settings).since(at))
         world = Spares.read(session, settings)
         routers = fresh_router_loads(session, settings, at)
         for deployment in list(session.exec(select(Deployment))):
@@ -177,7 +178,7 @@ class Spares:
         return cls(
             warm_spares(session, settings=settings),
             rack_rooms(session, settings=settings),
-            boot_figures(session),
+            boot_figures(session, BootQuantile.of(settings)),
             settings.boot_estimate_s,
         )
 
@@ -227,10 +228,13 @@ def next_boot(
         for model, seconds in boots
         if not deployment.gpu_models or model in deployment.gpu_models
     ]
-    measured = p90(values)
+    how = BootQuantile.of(settings)
+    measured = how.value(values)
     if measured is None:
         return NextBoot(settings.boot_estimate_s, "no spare to boot, none measured: default", None)
-    return NextBoot(measured, f"no spare to boot: p90 of {len(values)} measured boots", None)
+    return NextBoot(
+        measured, f"no spare to boot: {how.label} of {len(values)} measured boots", None
+    )
 
 
 def _state(

@@ -56,7 +56,7 @@ from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, ScalingDecision, ScheduleEntry, Server, utcnow
 from fleet.provisioning import placement
 from fleet.provisioning.autopilot import get_autopilot
-from fleet.provisioning.boot_times import measured_boots, p90_by_model
+from fleet.provisioning.boot_times import BootQuantile, by_model, measured_boots
 from fleet.provisioning.boots import ACTIVE, want_for
 from fleet.settings import Settings
 
@@ -96,12 +96,13 @@ def lead_for(
 ) -> Lead:
     """The lead of a window that needs `min_replicas` of the deployment: the slowest expected
     boot of the spares placement would boot for the servers still missing (at least one), each
-    at the p90 for its GPU model and cache state. Where placement cannot place them all now
-    (power, spares), the slowest GPU model it may boot counts too (`lead_time`)."""
+    at its GPU model's and cache state's figure (fleet/provisioning/boot_times.py: a quantile
+    of the measured boots plus a margin). Where placement cannot place them all now (power,
+    spares), the slowest GPU model it may boot counts too (`lead_time`)."""
     if warm is None:
         warm = _warm_models(session)
     if measured is None:
-        measured = p90_by_model(measured_boots(session))
+        measured = _measured(session, settings)
     if world is None:
         world = Spares.read(session, settings)
     models = lead_time(candidate_models(deployment, warm), measured, settings.boot_estimate_s)
@@ -128,6 +129,11 @@ def lead_for(
     return lead
 
 
+def _measured(session: Session, settings: Settings) -> dict[str, tuple[float, int]]:
+    how = BootQuantile.of(settings)
+    return by_model(measured_boots(session, how.since(utcnow())), how)
+
+
 def calendar_once(
     engine: Engine, settings: Settings, *, now: Callable[[], datetime] = utcnow
 ) -> list[Firing]:
@@ -141,7 +147,7 @@ def calendar_once(
         deployments = {d.id: d for d in session.exec(select(Deployment))}
         if not entries and not any(d.floor_servers for d in deployments.values()):
             return []
-        measured = p90_by_model(measured_boots(session))
+        measured = _measured(session, settings)
         warm = _warm_models(session)
         world = Spares.read(session, settings)
         for entry in entries:

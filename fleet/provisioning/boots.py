@@ -40,7 +40,7 @@ from fleet.power.gate import PLACEMENT_LOCK as PLACEMENT_LOCK
 from fleet.power.gate import placement_lock as placement_lock
 from fleet.power.racks import commit_watts, rack_views
 from fleet.provisioning import placement
-from fleet.provisioning.boot_times import boot_figures
+from fleet.provisioning.boot_times import BootQuantile, boot_figures
 from fleet.settings import Settings
 
 S = ServerState
@@ -162,7 +162,9 @@ def boot_spares(
     what booted); the tick's own replacements leave the target as it is."""
     if count < 1:
         raise FleetError("count must be at least 1")
-    default_boot_s = (settings or Settings()).boot_estimate_s
+    settings = settings or Settings()
+    default_boot_s = settings.boot_estimate_s
+    how = BootQuantile.of(settings)
     booted: list[str] = []
     reasons: tuple[str, ...] = ()
     for _ in range(count):
@@ -179,7 +181,7 @@ def boot_spares(
             spare = next(s for s in spares if s.name == name)
             cached = placement.holds(spare, want)
             boot = placement.expected_boot_s(
-                spare.gpu_model, cached, boot_figures(session), default_boot_s
+                spare.gpu_model, cached, boot_figures(session, how), default_boot_s
             )
             server = session.exec(select(Server).where(Server.name == name)).one()
             if raise_target:

@@ -236,6 +236,7 @@ class BootFigures:
     the cache state was)."""
 
     p90: Mapping[tuple[str, bool | None], tuple[float, int]] = field(default_factory=dict)
+    label: str = "p90"  # what the figures are: "p90", "p90 + 10 %" (a reason names it)
 
 
 def expected_boot_s(
@@ -252,7 +253,8 @@ def expected_boot_s(
         if (gpu_model, key) in figures.p90:
             seconds, n = figures.p90[(gpu_model, key)]
             what = {True: "cached boot", False: "uncached boot", None: "boot"}[key]
-            return seconds, f"{gpu_model}, {state}: p90 of {n} {what}{'' if n == 1 else 's'}"
+            plural = "" if n == 1 else "s"
+            return seconds, f"{gpu_model}, {state}: {figures.label} of {n} {what}{plural}"
     return default_s, f"{gpu_model}, {state}: never measured, default"
 
 

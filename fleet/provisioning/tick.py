@@ -62,6 +62,7 @@ from fleet.power.actions import SPACED, ServerBusy, act_on, power_stagger
 from fleet.power.racks import commit_watts
 from fleet.provisioning import graceful_reboot, placement, quality_probe, staging
 from fleet.provisioning.autopilot import check_breaker, get_autopilot
+from fleet.provisioning.boot_times import record_boot
 from fleet.provisioning.boots import ACTIVE, boot_spares, placement_lock, rack_rooms, start_boot
 from fleet.provisioning.escalation import escalate
 from fleet.settings import Settings
@@ -481,11 +482,21 @@ class ProvisionTick:
                     server.boot_to_ready_s = round(self._elapsed(server.boot_started_at), 3)
                     # Per cache state, for a real boot that began in that state (not a
                     # resume, which boots nothing, nor a stage a scale-out took over).
-                    if server.boot_kind in BOOT_KINDS and server.boot_cache_hit is not None:
-                        if server.boot_cache_hit:
+                    hit = server.boot_cache_hit if server.boot_kind in BOOT_KINDS else None
+                    if hit is not None:
+                        if hit:
                             server.boot_to_ready_cached_s = server.boot_to_ready_s
                         else:
                             server.boot_to_ready_uncached_s = server.boot_to_ready_s
+                    record_boot(
+                        session,
+                        server,
+                        server.boot_to_ready_s,
+                        server.load_s,
+                        hit,
+                        s.boot_history_days,
+                        self.now,
+                    )
                 session.add(server)
                 session.commit()
                 return

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from fleet.calendar.cron import CronError, parse
 from fleet.calendar.plan import Spec, due, floor_servers, lead_time, minutes, windows
-from fleet.provisioning.boot_times import p90, p90_by_model
+from fleet.provisioning.boot_times import BootQuantile, by_model
 
 BERLIN = "Europe/Berlin"
 
@@ -288,7 +288,7 @@ def test_a_new_entry_fires_at_once_inside_an_open_window_and_not_for_old_ones() 
 
 
 def test_lead_is_the_slowest_candidate_model_and_the_default_before_a_measurement() -> None:
-    measured = p90_by_model([("H100", 900.0), ("H100", 960.0), ("L40S", 400.0)])
+    measured = by_model([("H100", 900.0), ("H100", 960.0), ("L40S", 400.0)], BootQuantile())
     assert measured == {"H100": (960.0, 2), "L40S": (400.0, 1)}
     both = lead_time(["L40S", "H100"], measured, 1200)
     assert (both.seconds, both.basis) == (960.0, "H100, 2 boots measured")
@@ -297,11 +297,16 @@ def test_lead_is_the_slowest_candidate_model_and_the_default_before_a_measuremen
     assert lead_time([], measured, 1200).seconds == 1200
 
 
-def test_p90_is_the_nearest_rank() -> None:
-    assert p90([]) is None
-    assert p90([5.0]) == 5.0
-    assert p90(float(i) for i in range(1, 11)) == 10.0
-    assert p90(float(i) for i in range(1, 101)) == 91.0
+def test_the_boot_figure_is_the_nearest_rank_quantile_plus_the_margin() -> None:
+    p90 = BootQuantile()
+    assert p90.value([]) is None
+    assert p90.value([5.0]) == 5.0
+    assert p90.value(float(i) for i in range(1, 11)) == 10.0
+    assert p90.value(float(i) for i in range(1, 101)) == 91.0
+    assert p90.label == "p90"
+    planned = BootQuantile(quantile=0.95, margin_pct=10)
+    assert planned.value(float(i) for i in range(1, 101)) == 96.0 * 1.1
+    assert planned.label == "p95 + 10 %"
 
 
 def test_floor_and_durations_as_an_operator_reads_them() -> None:

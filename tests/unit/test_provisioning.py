@@ -25,7 +25,7 @@ from fleet.bmc.base import ActionResult, BmcAuthFailed, BmcUnreachable
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Event, Pool, PowerState, Server, utcnow
+from fleet.models import BootRecord, Deployment, Event, Pool, PowerState, Server, utcnow
 from fleet.provisioning.autopilot import get_autopilot, set_paused
 from fleet.provisioning.boots import BootResult, boot_spares
 from fleet.provisioning.operator_moves import operator_drain, operator_undrain
@@ -208,6 +208,10 @@ def test_spares_boot_power_on_load_and_serve(db: Engine, fleet: dict[str, Any]) 
     server = row(db, first)
     assert server.state == S.SERVING and server.boot_to_ready_s is not None
     assert server.load_s is not None
+    with Session(db) as session:  # and into the boot history
+        [record] = session.exec(select(BootRecord).where(BootRecord.server == first)).all()
+    assert (record.boot_s, record.load_s) == (server.boot_to_ready_s, server.load_s)
+    assert record.gpu_model == server.gpu_model and record.cache_hit == server.boot_cache_hit
     with Session(db) as session:
         kinds = [
             (e.from_state, e.to_state)

@@ -495,23 +495,28 @@ def test_the_look_ahead_and_the_lead_use_the_figure_of_the_spare_that_would_boot
 
     no_staging(db)
     set_figures(db, cached_s=95.0, uncached_s=780.0)
-    s = settings(boot_estimate_s=1200.0)
+    s = settings(boot_estimate_s=1200.0)  # the default margin: p90 + 10 %
     with Session(db) as session:
         dep = session.exec(select(Deployment)).one()
         boot = next_boot(session, dep, Spares.read(session, s), s, [])
-        assert boot.seconds == 780.0 and "version not cached" in boot.basis
-        assert lead_for(session, dep, s, min_replicas=1).seconds == 780.0
+        assert boot.seconds == pytest.approx(858.0) and "version not cached" in boot.basis
+        assert lead_for(session, dep, s, min_replicas=1).seconds == pytest.approx(858.0)
     report(db, "r2-gpu1", entries=[{"key": V2, "state": "ready"}])
     with Session(db) as session:
         dep = session.exec(select(Deployment)).one()
         boot = next_boot(session, dep, Spares.read(session, s), s, [])
-        assert boot.seconds == 95.0
-        assert boot.basis == "r2-gpu1: H100, version cached: p90 of 1 cached boot"
+        assert boot.seconds == pytest.approx(104.5)
+        assert boot.basis == "r2-gpu1: H100, version cached: p90 + 10 % of 1 cached boot"
         assert boot.spare is not None and boot.spare.startswith("r2-gpu1: version llama@v2 cached")
         lead = lead_for(session, dep, s, min_replicas=1)
-        assert (lead.seconds, lead.basis) == (95.0, boot.basis)
+        assert (lead.seconds, lead.basis) == (boot.seconds, boot.basis)
         # Two servers: the second comes without the version, so the lead is its figure.
-        assert lead_for(session, dep, s, min_replicas=2).seconds == 780.0
+        assert lead_for(session, dep, s, min_replicas=2).seconds == pytest.approx(858.0)
+    # No margin: the p90 itself.
+    bare = settings(boot_estimate_s=1200.0, boot_margin_pct=0.0)
+    with Session(db) as session:
+        dep = session.exec(select(Deployment)).one()
+        assert next_boot(session, dep, Spares.read(session, bare), bare, []).seconds == 95.0
 
 
 def test_a_scale_up_decision_lists_the_spares_placement_would_boot(

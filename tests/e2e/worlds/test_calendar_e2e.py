@@ -394,9 +394,10 @@ def test_the_colo_boots_one_lead_before_the_window_and_serves_by_its_start(
     )
     p = float(lead["lead_s"])
     # The lead is the boot of the spare placement would take, at the p90 of its GPU model's
-    # boots in its cache state (weights delivered outside Fleet: never cached).
-    bases = {f"{s}: L40S, version not cached: p90 of 2 uncached boots" for s in SERVERS}
-    assert p == max(boots.values()) and lead["lead_basis"] in bases, lead
+    # boots in its cache state (weights delivered outside Fleet: never cached), plus the
+    # default margin of 10 %.
+    bases = {f"{s}: L40S, version not cached: p90 + 10 % of 2 uncached boots" for s in SERVERS}
+    assert p == pytest.approx(max(boots.values()) * 1.1) and lead["lead_basis"] in bases, lead
     t = next_second(p + 10)
     created = time.time()
     entry = add_entry(world.api, DEPLOYMENT, t, min_replicas=1, duration_s=120)
