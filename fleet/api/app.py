@@ -20,7 +20,7 @@ from fleet.api.access import AccessMiddleware, log_answer
 from fleet.api.admission import Admission
 from fleet.api.edge import EdgeMiddleware, Limits
 from fleet.api.fast_heartbeats import FastHeartbeats
-from fleet.api.metrics import FleetCollector, HttpMetrics, LoopCollector
+from fleet.api.metrics import FleetCollector, HeartbeatCollector, HttpMetrics, LoopCollector
 from fleet.api.openapi import AllowEveryMethod, document
 from fleet.api.routes import (
     agent,
@@ -138,6 +138,7 @@ def create_app(
     registry = CollectorRegistry()
     registry.register(FleetCollector(engine, settings))
     registry.register(LoopCollector(loops))
+    registry.register(HeartbeatCollector(heartbeats))
     app.state.registry = registry
     http_metrics = HttpMetrics(registry)
 

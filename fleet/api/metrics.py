@@ -29,6 +29,7 @@ from fleet.models import BudgetMode, PowerState, Rack, Server, Site, utcnow
 from fleet.observability.fleet_metrics import MeasuredDurations, families
 from fleet.power.racks import RackView, is_fresh, rack_views
 from fleet.power.reconcile_policy import is_mismatched
+from fleet.registry.heartbeat_ingest import HeartbeatIngest, IngestStats
 from fleet.settings import Settings, get_settings
 
 
@@ -211,6 +212,39 @@ class LoopCollector(Collector):
             failed.add_metric([loop.name], stats[2])
             seconds.add_metric([loop.name], stats[3])
         yield from (leader, ticks, failed, seconds)
+
+
+class HeartbeatCollector(Collector):
+    """Steady heartbeats (fleet/registry/heartbeat_ingest.py): answered on the fast path,
+    measurements written by batches, rows changed before their batch, batches refused. All
+    0 where there is no fast path (SQLite, or turned off)."""
+
+    def __init__(self, ingest: HeartbeatIngest | None) -> None:
+        self._ingest = ingest
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._ingest.stats if self._ingest is not None else IngestStats()
+        for name, text, value in (
+            ("fleet_heartbeats_fast", "Heartbeats answered on the fast path", stats.fast),
+            (
+                "fleet_heartbeat_batch_rows",
+                "Heartbeat measurements written in batches",
+                stats.written,
+            ),
+            (
+                "fleet_heartbeat_batch_diverted",
+                "Batched heartbeats whose row changed first (only the time written)",
+                stats.diverted,
+            ),
+            (
+                "fleet_heartbeat_batch_failures",
+                "Heartbeat batches the database refused",
+                stats.failed_batches,
+            ),
+        ):
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], value)
+            yield family
 
 
 class HttpMetrics:

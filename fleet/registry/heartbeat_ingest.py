@@ -297,6 +297,14 @@ class HeartbeatIngest:
         when all are busy past the timeout (the full path takes the report)."""
         if self._freed is None:
             self._freed = asyncio.Condition()
+        if not self._idle and self._open >= self.connections:
+            # All busy: wait for one back, or for a broken one's slot to open a new one in.
+            async with self._freed:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.timeout_s):
+                        await self._freed.wait_for(
+                            lambda: bool(self._idle) or self._open < self.connections
+                        )
         if self._idle:
             return self._idle.pop()
         if self._open < self.connections:
@@ -313,11 +321,7 @@ class HeartbeatIngest:
             except (psycopg.Error, TimeoutError, OSError):
                 self._open -= 1
                 return None
-        async with self._freed:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.timeout_s):
-                    await self._freed.wait_for(lambda: bool(self._idle))
-        return self._idle.pop() if self._idle else None
+        return None
 
     async def _release(
         self, conn: psycopg.AsyncConnection[tuple[object, ...]], healthy: bool

@@ -109,7 +109,7 @@ def post(agent: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_steady_heartbeat_gets_the_full_paths_answer_and_its_measurements_are_written(
-    agent: httpx.Client, ingest: HeartbeatIngest, db: Engine
+    agent: httpx.Client, ingest: HeartbeatIngest, db: Engine, live: Live
 ) -> None:
     full = post(agent, heartbeat())
     before = row(db)
@@ -127,6 +127,9 @@ def test_a_steady_heartbeat_gets_the_full_paths_answer_and_its_measurements_are_
     # The batch left the row at a version the next report matches: still the fast path.
     post(agent, heartbeat(temperature=56.0))
     assert ingest.stats.fast == fast + 2
+    # And /metrics counts them.
+    metrics = httpx.get(f"{live.url}/metrics", timeout=5).text
+    assert f"fleet_heartbeats_fast_total {float(ingest.stats.fast)}" in metrics
 
 
 def test_a_verdict_change_takes_the_full_path_at_once(
