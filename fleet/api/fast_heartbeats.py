@@ -69,6 +69,7 @@ class FastHeartbeats:
             or not declared
             or declared > self.limit
             or "transfer-encoding" in headers
+            or not _json_type(headers.get("content-type"))
         ):
             await self.app(scope, receive, send)
             return
@@ -95,6 +96,16 @@ class FastHeartbeats:
             }
         )
         await send({"type": "http.response.body", "body": answer})
+
+
+def _json_type(value: str | None) -> bool:
+    """Whether FastAPI would read a body of this content type as JSON (none given, or
+    application/json or application/*+json): any other, the route answers 422, so must we."""
+    if value is None:
+        return True
+    kind = value.split(";", 1)[0].strip().lower()
+    main, _, sub = kind.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 async def _read(receive: Receive, declared: int) -> tuple[list[Message], bytes | None]:

@@ -9,6 +9,7 @@ reads the database itself, and the ingest's counters say which path answered.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -245,3 +246,12 @@ def test_a_report_for_another_server_is_refused_as_before(
     assert answer.status_code in (403, 404)
     bad = agent.post(f"{API}/heartbeat", json=heartbeat(verdict="splendid"))
     assert bad.status_code == 422
+    # A steady body under another content type is not read as JSON by the route: 422, and
+    # the fast path must not answer it either.
+    fast = ingest.stats.fast
+    raw = agent.post(
+        f"{API}/heartbeat",
+        content=json.dumps(heartbeat()),
+        headers={"Content-Type": "text/plain"},
+    )
+    assert raw.status_code == 422 and ingest.stats.fast == fast
