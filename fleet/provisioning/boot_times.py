@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, delete, select
@@ -30,6 +31,8 @@ from fleet.models import BootRecord, Server, utcnow
 from fleet.provisioning.placement import BootFigures
 from fleet.settings import Settings
 from fleet_core.stats import quantile
+
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,18 @@ class BootQuantile:
     def value(self, values: Iterable[float]) -> float | None:
         q = quantile(values, self.quantile)
         return None if q is None else q * (1 + self.margin_pct / 100)
+
+    def per(self, samples: Iterable[tuple[K, float]]) -> dict[K, tuple[float, int]]:
+        """Per key: (the figure in seconds, number of boots measured)."""
+        grouped: dict[K, list[float]] = {}
+        for key, seconds in samples:
+            grouped.setdefault(key, []).append(seconds)
+        out: dict[K, tuple[float, int]] = {}
+        for key, values in grouped.items():
+            value = self.value(values)
+            if value is not None:
+                out[key] = (value, len(values))
+        return out
 
     @property
     def label(self) -> str:
@@ -125,15 +140,7 @@ def by_model(
     samples: Iterable[tuple[str, float]], how: BootQuantile
 ) -> dict[str, tuple[float, int]]:
     """Per GPU model: (`how`'s figure in seconds, number of boots measured)."""
-    per_model: dict[str, list[float]] = {}
-    for model, seconds in samples:
-        per_model.setdefault(model, []).append(seconds)
-    out: dict[str, tuple[float, int]] = {}
-    for model, values in per_model.items():
-        value = how.value(values)
-        if value is not None:
-            out[model] = (value, len(values))
-    return out
+    return how.per(samples)
 
 
 def boot_samples(
@@ -159,15 +166,7 @@ def figures(
     samples: Iterable[tuple[str, bool | None, float]], how: BootQuantile = BootQuantile()
 ) -> BootFigures:
     """Per (GPU model, cache state): (`how`'s figure in seconds, number of boots measured)."""
-    per: dict[tuple[str, bool | None], list[float]] = {}
-    for model, cached, seconds in samples:
-        per.setdefault((model, cached), []).append(seconds)
-    out: dict[tuple[str, bool | None], tuple[float, int]] = {}
-    for key, values in per.items():
-        value = how.value(values)
-        if value is not None:
-            out[key] = (value, len(values))
-    return BootFigures(out, how.label)
+    return BootFigures(how.per(((model, cached), s) for model, cached, s in samples), how.label)
 
 
 def boot_figures(session: Session, how: BootQuantile = BootQuantile()) -> BootFigures:
