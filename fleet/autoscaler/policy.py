@@ -101,6 +101,14 @@ The rules, in order (the first that applies decides; `rule` names it):
    it met a signal at or over its low water.
 7. **hold** otherwise.
 
+Then **forecast**: with a forecast (`forecast_servers`, fleet/autoscaler/forecast.py: the
+servers the deployment's seasonal demand needs over the next boot-to-ready), the target is
+the larger of the rule's answer and the forecast's (AWS predictive scaling's rule: the
+forecast only ever adds). The forecast wins only by raising the target: it starts spares a
+boot ahead of the demand it sees coming, and holds a scale-in whose server would be wanted
+back before it could boot. The inputs say both sides (`reactive_target`, `forecast_servers`)
+and which won (`won`). A pinned deployment has no forecast.
+
 Finally the answer is kept within [max(min_servers, floor), max_servers]; when that changes
 it, the rule becomes "min", "floor" (the calendar's floor is the higher bound) or "max", and
 the reason says what the rule wanted. When the floor is above max_servers, max wins (a hard
@@ -201,7 +209,32 @@ def decide(
         return _decision(state, pinned, "pinned", reason, inputs)
 
     proposal = _propose(state, history, now, c, inputs)
+    if state.forecast_servers is not None:
+        proposal = _with_forecast(state, proposal, inputs)
     return _bounded(state, proposal, inputs)
+
+
+def _with_forecast(
+    state: DeploymentState, reactive: _Proposal, inputs: dict[str, float | int | str | None]
+) -> _Proposal:
+    """The larger of the reactive answer and the forecast's servers (module docstring)."""
+    need = state.forecast_servers
+    assert need is not None
+    inputs["forecast_servers"] = need
+    inputs["forecast_basis"] = state.forecast_basis
+    inputs["reactive_target"] = reactive.target
+    inputs["reactive_rule"] = reactive.rule
+    if need > reactive.target:
+        inputs["won"] = "forecast"
+        verb = "holds" if reactive.target < state.target <= need else "wants"
+        return _Proposal(
+            need,
+            "forecast",
+            f"forecast {verb} {need} servers: {state.forecast_basis}; reactive: "
+            f"{reactive.target} ({reactive.rule}: {reactive.reason})",
+        )
+    inputs["won"] = "reactive"
+    return reactive
 
 
 def _propose(

@@ -43,6 +43,7 @@ __all__ = [
 RULES = frozenset(
     {
         "activate",
+        "forecast",
         "queue_high",
         "latency_high",
         "ttft_high",
@@ -164,6 +165,10 @@ class DeploymentState:
     # Requests waiting in the routers for it (their fresh reports, summed): for a deployment at
     # zero servers the only sign of demand there is.
     router_waiting: int = 0
+    # Predictive scaling (fleet/autoscaler/forecast.py): the servers the forecast needs one
+    # boot ahead, and what it stands on; None: no forecast (off, or too little history).
+    forecast_servers: int | None = None
+    forecast_basis: str = ""
     last_up_at: float | None = None
     last_down_at: float | None = None
 

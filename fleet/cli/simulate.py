@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from fleet.cli.common import CliError, handled
+
+if TYPE_CHECKING:
+    from fleet.sim import week as week_t
 from fleet.data import bundled_scenarios, scenario_path
 
 
@@ -63,6 +66,12 @@ def simulate(
         )
     # Before anything imports the hot modules (fleet/sim/native.py).
     why_not = "--pure" if pure else native.enable()
+    from fleet.sim import week
+
+    weekly = week.load(path)
+    if weekly is not None:
+        _simulate_week(weekly, seed, compare, charts)
+        return
     from fleet.sim import charts as sim_charts
     from fleet.sim import scenario as sim
     from fleet.sim.core import RunResult
@@ -100,6 +109,26 @@ def simulate(
             typer.echo(line)
     for path in written:
         typer.echo(f"chart: {path}")
+
+
+def _simulate_week(
+    scenario: week_t.WeekScenario, seed: int | None, compare: str | None, charts: Path | None
+) -> None:
+    """A week at fleet scale (fleet/sim/week.py): the fluid model, calibrated first."""
+    from fleet.sim import week
+
+    if charts is not None:
+        raise CliError("--charts draws request-level runs; a week scenario prints its table")
+    variants = [v.strip() for v in compare.split(",") if v.strip()] if compare else ["predictive"]
+    started = time.monotonic()
+    cal, demand, results = week.compare(scenario, variants, seed)
+    for line in week.report(scenario, cal, demand):
+        typer.echo(line)
+    typer.echo(week.table(results))
+    for r in results:
+        for at, how in r.forecast_off:
+            typer.echo(f"{r.variant}: forecast switched {how} at {at / 3600:.1f} h")
+    typer.echo(f"({time.monotonic() - started:.0f} s)", err=True)
 
 
 @handled
