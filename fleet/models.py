@@ -1234,6 +1234,29 @@ class RouterReport(SQLModel, table=True):
     # Per model version ("<model>@<version>" → requests and errors answered by replicas of it
     # since the router started, p95s of the last minute): a rollout's analysis (fleet/rollout/).
     versions: dict[str, Any] = _json(dict)
+    # Requests (and their tokens: prompt + expected output) that arrived for the deployment
+    # since the router started, refused ones included: the autoscaler's demand history takes
+    # differences (fleet/autoscaler/demand.py). None: a router that does not count them.
+    arrived: int | None = Field(default=None, sa_type=sa.BigInteger)
+    arrived_tokens: int | None = Field(default=None, sa_type=sa.BigInteger)
+
+
+class DemandHour(SQLModel, table=True):
+    """One deployment's demand for one hour, a value per minute (fleet/autoscaler/demand.py):
+    requests and tokens that arrived at the routers, the servers serving and their batch-slot
+    use. Packed as 60 little-endian float32 each (NaN: a minute not seen), so a year of 100
+    deployments is 876,000 rows, not 52 million; written by the leader's autoscaler only."""
+
+    __tablename__ = "demand_hour"
+    __table_args__ = (sa.UniqueConstraint("deployment", "hour"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    deployment: str = Field(max_length=63)
+    hour: datetime = _ts(index=True)
+    requests: bytes = Field(sa_type=sa.LargeBinary)
+    tokens: bytes = Field(sa_type=sa.LargeBinary)
+    servers: bytes = Field(sa_type=sa.LargeBinary)
+    slot_use: bytes = Field(sa_type=sa.LargeBinary)
 
 
 class PowerSample(SQLModel, table=True):

@@ -183,6 +183,15 @@ class Settings(BaseSettings):
     boot_history_days: float = Field(default=90.0, gt=0, le=3650)
     boot_quantile: float = Field(default=0.9, ge=0.5, le=1.0)
     boot_margin_pct: float = Field(default=10.0, ge=0, le=200)
+    # Predictive scaling (fleet/autoscaler/forecast.py, docs/autoscaler.md): the autoscaler
+    # also asks for what each deployment's seasonal demand needs one boot ahead (off: reactive
+    # alone). The demand history it learns from is kept this long (its profile uses 4 weeks);
+    # a forecast whose error over 6 h passes the bound stops acting until it is back under
+    # 0.25 (an Event each way). The profile is fitted again this often.
+    forecast: bool = True
+    demand_history_days: float = Field(default=35.0, gt=0, le=3660)
+    forecast_max_error: float = Field(default=0.35, gt=0.25, le=10)
+    forecast_refit_s: float = Field(default=3600.0, gt=0)
     # The scheduled-scaling calendar (fleet/calendar/): a tick of the leader. An entry fires
     # one measured p90 boot-to-ready before its minute, within one tick.
     calendar_interval_s: float = Field(default=30.0, gt=0)

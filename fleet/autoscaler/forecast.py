@@ -10,7 +10,7 @@ for what a seasonal profile does; docs/autoscaler.md, "Predictive scaling"):
 
 - **Seasonal profile.** Demand is requests per minute. The week is cut into `slot_s` slots
   (15 min) by day of week and time of day, in UTC. For each slot of each past week the
-  minutes' `peak_q` quantile (0.9) and median are taken, then the median of those over the
+  minutes' `peak_q` quantile (0.75) and median are taken, then the median of those over the
   weeks: one spiky week among three moves nothing (robust to spikes), and the within-slot
   quantile covers the minute-to-minute bursts that a reactive scaler is always too late for.
   Where fewer than `min_weeks` weeks cover a slot, the same time of day over the past days
@@ -18,15 +18,16 @@ for what a seasonal profile does; docs/autoscaler.md, "Predictive scaling"):
 - **Level.** Recent demand against the profile: the median, over the last `level_window_s`,
   of actual ÷ profile median per minute, clipped to `level_clip`. A fleet that grew since the
   profile's weeks is followed; a burst of a few minutes is not.
-- **Need.** The largest slot peak × level over [now, now + lead + one slot]: capacity asked
-  for now serves from now + lead (the p90 boot-to-ready), and a server given back now cannot
-  be had again before then.
+- **Need.** The largest slot peak × level over the slots that [now, now + lead] touches:
+  capacity asked for now serves from now + lead (the p90 boot-to-ready), and a server given
+  back now cannot be had again before then. The autoscaler asks again every tick, so the
+  slot after that is the next ticks' business.
 - **Capacity.** The need is in requests; a server's share of it is what one server carries at
   the utilisation the deployment is run at, measured (`capacity_per_server`): over minutes whose
   batch slots were at least half busy, demand ÷ (servers × slot use) is what one server's full
-  batch carries (Little's law: concurrency grows with the rate while latency holds), times the
-  policy's `slot_ceiling`. Idle minutes say little about a full batch (their requests run
-  faster), so they are not used; with too few busy minutes there is no capacity and no forecast.
+  batch carries (Little's law), times the policy's `slot_ceiling`. A request runs longer in a
+  fuller batch, so a quieter minute overstates that figure: it is taken from the busiest tenth
+  of those minutes. With too few busy minutes there is no capacity and no forecast.
 - **Accuracy.** Each minute's point forecast (median × level, made `lead` ahead) is scored
   against what came (`Accuracy`): its weighted absolute percentage error over `error_window_s`
   above `max_error` switches the forecast off (the service writes an Event), at or under
@@ -54,6 +55,7 @@ __all__ = [
 
 MINUTE_S = 60.0
 RESUME_ERROR = 0.25  # ForecastConfig.resume_error's default
+PEAK_Q = 0.75  # ForecastConfig.peak_q's default
 DAY_S = 86_400.0
 WEEK_S = 7 * DAY_S
 
@@ -64,7 +66,7 @@ class ForecastConfig:
     weeks: int = 4  # history the profile is fitted on
     min_weeks: int = 2  # weeks covering a slot for the weekly profile; else the daily one
     min_days: float = 1.0  # less history than this: no forecast
-    peak_q: float = 0.9  # the within-slot quantile of minutes that capacity must cover
+    peak_q: float = PEAK_Q  # the within-slot quantile of minutes that capacity must cover
     level_window_s: float = 3600.0
     level_clip: tuple[float, float] = (0.5, 2.0)
     error_window_s: float = 6 * 3600.0
@@ -207,7 +209,7 @@ class Forecast:
 
     def describe(self, lead_s: float) -> str:
         return (
-            f"{self.peak_rpm / 60:.3g} req/s at peak within {lead_s:.0f} s (boot) + one slot "
+            f"{self.peak_rpm / 60:.3g} req/s at peak within {lead_s:.0f} s (boot) "
             f"({self.basis}, level {self.level:.2f})"
         )
 
@@ -237,10 +239,11 @@ def forecast(
     peak = 0.0
     bases: set[str] = set()
     basis_n = 0
-    # Every slot that [now, now + lead + one slot) touches.
+    # Every slot that [now, now + lead] touches: what a server asked for now must meet when
+    # it serves, and what a server given back now could not be had again before.
     t = now - now % c.slot_s
-    end = now + lead_s + c.slot_s
-    while t < end:
+    end = now + lead_s
+    while t <= end:
         got = profile.figure(t)
         if got is not None:
             figure, kind = got
@@ -265,24 +268,34 @@ def servers_for(peak_rpm: float, per_server_rps: float) -> int:
     return math.ceil(peak_rpm / 60.0 / per_server_rps - 1e-9)
 
 
+BUSY = 0.5  # a minute whose batch slots were at least this busy measures capacity
+BUSY_KEPT = 7 * 1440  # the busy minutes a caller keeps for it (the latest week's worth)
+BUSIEST = 0.1  # the share of them, by slot use, the figure is taken from
+
+
 def capacity_per_server(
     samples: Iterable[tuple[float, int, float | None]],
     ceiling: float,
     *,
-    busy: float = 0.5,
+    busy: float = BUSY,
+    busiest: float = BUSIEST,
     min_samples: int = 10,
 ) -> float | None:
-    """Requests per second one server carries at `ceiling` of its batch slots: the median over
-    `samples` ((requests in a minute, servers serving, slot use)) with slot use ≥ `busy`; None
-    with fewer than `min_samples` such minutes."""
-    per_server = sorted(
-        rpm / 60.0 / (servers * use)
+    """Requests per second one server carries at `ceiling` of its batch slots, from `samples`
+    ((requests in a minute, servers serving, slot use)) with slot use ≥ `busy`: the median of
+    demand ÷ (servers × slot use) × ceiling over the `busiest` share of them by slot use. A
+    request runs longer in a fuller batch, so the figure from a half-busy minute overstates
+    what a server carries at the ceiling; the busiest minutes extrapolate least. None with
+    fewer than `min_samples` busy minutes."""
+    rows = sorted(
+        (use, rpm / 60.0 / (servers * use))
         for rpm, servers, use in samples
         if use is not None and use >= busy and servers > 0 and rpm > 0
     )
-    if len(per_server) < min_samples:
+    if len(rows) < min_samples:
         return None
-    return _median(per_server) * ceiling
+    top = rows[-max(min_samples, math.ceil(busiest * len(rows))) :]
+    return _median(sorted(rate for _, rate in top)) * ceiling
 
 
 @dataclass

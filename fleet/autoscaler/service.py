@@ -20,20 +20,23 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from fleet.autoscaler import demand
+from fleet.autoscaler.demand import Forecasts
 from fleet.autoscaler.policy import decide
 from fleet.autoscaler.signals import DeploymentState, PolicyConfig, RouterLoad, Signals, aggregate
 from fleet.events import deployment_event
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, ScalingDecision, Server, utcnow
+from fleet.models import Deployment, RouterReport, ScalingDecision, Server, utcnow
 from fleet.provisioning import placement
 from fleet.provisioning.autopilot import get_autopilot
 from fleet.provisioning.boot_times import BootQuantile, boot_figures, measured_boots
@@ -92,8 +95,11 @@ def autoscale_once(
     history: History,
     *,
     now: Callable[[], datetime] = utcnow,
+    forecasts: Forecasts | None = None,
 ) -> list[ScalingDecision]:
-    """One tick over every deployment; returns the decisions recorded."""
+    """One tick over every deployment; returns the decisions recorded. With `forecasts` (the
+    leader's), the tick also keeps the demand history and, with FLEET_FORECAST, scales
+    predictively (fleet/autoscaler/demand.py)."""
     at = now()
     epoch = at.timestamp()
     config = policy_config(settings)
@@ -105,6 +111,16 @@ def autoscale_once(
         boots = measured_boots(session, BootQuantile.of(settings).since(at))
         world = Spares.read(session, settings)
         routers = fresh_router_loads(session, settings, at)
+        counted: dict[str, tuple[float, float]] = {}
+        if forecasts is not None:
+            forecasts.start_tick()
+            fresh_after = at - timedelta(seconds=settings.router_report_stale_s)
+            counted = forecasts.book.count(
+                session.exec(select(RouterReport).where(RouterReport.at >= fresh_after)), epoch
+            )
+            if epoch - forecasts.pruned_at >= 3600:
+                demand.prune(session, at - timedelta(days=settings.demand_history_days))
+                forecasts.pruned_at = epoch
         for deployment in list(session.exec(select(Deployment))):
             servers = list(
                 session.exec(select(Server).where(Server.deployment_id == deployment.id))
@@ -116,8 +132,12 @@ def autoscale_once(
             state = _state(
                 session, deployment, servers, settings, boot.seconds, load.waiting if load else 0
             )
-            decision = decide(state, window, epoch, config)
             extra: dict[str, Any] = {"boot_basis": boot.basis, "next_spare": boot.spare}
+            if forecasts is not None:
+                state = _predict(
+                    session, settings, forecasts, deployment, state, signals, counted, at, extra
+                )
+            decision = decide(state, window, epoch, config)
             if decision.target > deployment.target_servers:
                 extra["placement"] = world.choose(
                     session, deployment, decision.target - deployment.target_servers
@@ -130,6 +150,54 @@ def autoscale_once(
                 recorded.append(row)
         session.commit()
     return recorded
+
+
+def _predict(
+    session: Session,
+    settings: Settings,
+    forecasts: Forecasts,
+    deployment: Deployment,
+    state: DeploymentState,
+    signals: Signals,
+    counted: dict[str, tuple[float, float]],
+    at: datetime,
+    extra: dict[str, Any],
+) -> DeploymentState:
+    """Count the tick's demand into the history and, with FLEET_FORECAST, put the forecast's
+    servers into the state (`decide` takes the larger: fleet/autoscaler/policy.py)."""
+    epoch = at.timestamp()
+    name = deployment.name
+    predictor = forecasts.predictor(name)
+    closed = forecasts.book.add(name, epoch, counted.get(name), state.serving, signals.slot_use)
+    if closed is not None:
+        demand.write(session, closed)
+        switched = predictor.observe(closed)
+        if switched is not None and settings.forecast:
+            error = predictor.accuracy.error() if predictor.accuracy else None
+            how = f"error {error:.0%} over 6 h" if error is not None else "error"
+            message = (
+                f"forecast off: {how} above {forecasts.config.max_error:.0%}; reactive scaling "
+                f"alone until it is back at {forecasts.config.resume_error:.0%} or less"
+                if switched == "off"
+                else f"forecast on again: {how}"
+            )
+            session.add(
+                deployment_event(
+                    name, at, ACTOR, f"deployment.forecast_{switched}", message, {"error": error}
+                )
+            )
+    if not settings.forecast or state.pinned is not None:
+        return state
+    ceiling = policy_config(settings).slot_ceiling
+    if epoch - predictor.fitted_at >= settings.forecast_refit_s and forecasts.may_fit():
+        started = time.perf_counter()
+        predictor.fit(demand.read(session, name, forecasts.history_since(epoch)), epoch, ceiling)
+        forecasts.fit_spent_s += time.perf_counter() - started
+    servers, basis, how = predictor.need(epoch, state.boot_p90_s, ceiling)
+    extra["forecast"] = how
+    if servers is None:
+        return state
+    return replace(state, forecast_servers=servers, forecast_basis=basis)
 
 
 def fresh_router_loads(session: Session, settings: Settings, at: datetime) -> dict[str, RouterLoad]:

@@ -97,8 +97,30 @@ def autoscaler_explain(
         typer.echo(f"next spare: {printable(str(next_spare), one_line=True)}")
     if basis:
         typer.echo(f"boot figure: {printable(str(basis), one_line=True)}")
+    forecast = _forecast_line(inputs)
+    if forecast:
+        typer.echo(f"forecast: {printable(forecast, one_line=True)}")
     if isinstance(chosen, list) and chosen:
         typer.echo("placement for this scale-up:")
         for line in chosen:
             typer.echo(f"  {printable(str(line), one_line=True)}")
     show(inputs, output, title="inputs")
+
+
+def _forecast_line(inputs: dict[str, object]) -> str | None:
+    """Predictive scaling's side of the decision (fleet/autoscaler/demand.py): its state, the
+    servers it wanted and on what, against the reactive rules' answer, and which won."""
+    how = inputs.pop("forecast", None)
+    servers = inputs.pop("forecast_servers", None)
+    basis = inputs.pop("forecast_basis", None)
+    reactive = inputs.pop("reactive_target", None)
+    rule = inputs.pop("reactive_rule", None)
+    won = inputs.pop("won", None)
+    if how is None and servers is None:
+        return None
+    line = str(how) if how is not None else "on"
+    if servers is not None:
+        line += (
+            f"; wants {servers} servers ({basis}) against reactive {reactive} ({rule}): {won} won"
+        )
+    return line

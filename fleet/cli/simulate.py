@@ -33,7 +33,8 @@ def simulate(
             "--compare",
             help="Variants run on the SAME requests, comma-separated: a strategy, a batching "
             "(continuous|static), strategy/batching, or a variant the scenario names under "
-            "`variants` (e.g. nameplate,measured).",
+            "`variants` (e.g. nameplate,measured). A week scenario (`kind: week`): "
+            "predictive, reactive, peak.",
         ),
     ] = None,
     charts: Annotated[

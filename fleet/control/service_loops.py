@@ -13,6 +13,7 @@ from datetime import datetime
 from sqlalchemy.engine import Engine
 
 from fleet import db
+from fleet.autoscaler.demand import Forecasts
 from fleet.autoscaler.service import History, autoscale_once
 from fleet.calendar.service import calendar_once
 from fleet.control import wakeups
@@ -90,10 +91,11 @@ def build_loops(settings: Settings, engine: Engine, box: SecretBox) -> list[Sing
     history = History.new(
         max(settings.autoscale_up_window_s, settings.autoscale_down_window_s) + 600.0
     )
+    forecasts = Forecasts.new(settings.forecast_max_error)
     autoscaler = SingletonLoop(
         "autoscaler",
         settings.autoscale_interval_s,
-        lambda: autoscale_once(engine, settings, history),
+        lambda: autoscale_once(engine, settings, history, forecasts=forecasts),
         leadership,
         on_tick=leadership.record,
     )

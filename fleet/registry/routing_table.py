@@ -178,6 +178,11 @@ class DeploymentLoad(BaseModel):
     versions: dict[Annotated[str, StringConstraints(min_length=1, max_length=130)], VersionLoad] = (
         Field(default_factory=dict, max_length=MAX_REPORTED_VERSIONS)
     )
+    # Requests (and their prompt + expected output tokens) that arrived since the router
+    # started, refused ones included: counters whose differences are the demand history
+    # (fleet/autoscaler/demand.py). Optional: an older router sends none.
+    arrived: Int | None = Field(default=None, ge=0, le=MAX_COUNT, strict=False)
+    arrived_tokens: Int | None = Field(default=None, ge=0, le=MAX_COUNT, strict=False)
 
 
 # Client keys in one report's usage (a router reports the keys it admitted in its window) and
@@ -269,6 +274,7 @@ def record_report(
         row.at, row.waiting = at, load.waiting
         row.p95_s, row.ttft_p95_s = load.p95_s, load.ttft_p95_s
         row.versions = {key: v.model_dump() for key, v in load.versions.items()}
+        row.arrived, row.arrived_tokens = load.arrived, load.arrived_tokens
         session.add(row)
     # A restarted router reports under a new name: its old rows go after an hour.
     session.execute(sa.delete(RouterReport).where(col(RouterReport.at) < at - timedelta(hours=1)))

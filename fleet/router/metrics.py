@@ -85,6 +85,9 @@ class RouterMetrics:
         self._recent_ttft: dict[str, _Window] = {}
         # Per (deployment, version): tries and errors since start, and the p95 windows
         self._tries: dict[tuple[str, str], list[int]] = {}
+        # Per deployment: requests that arrived and their tokens (prompt + expected output),
+        # refused ones included, since the router started: the load report's demand counters.
+        self.arrivals: dict[str, list[int]] = {}
         self._recent_v: dict[tuple[str, str], _Window] = {}
         self._recent_ttft_v: dict[tuple[str, str], _Window] = {}
         self._known: set[tuple[str, str]] = set()  # (deployment, tenant)
@@ -129,6 +132,13 @@ class RouterMetrics:
         self._recent_ttft.setdefault(deployment, _Window()).add(now, seconds)
         if version:
             self._recent_ttft_v.setdefault((deployment, version), _Window()).add(now, seconds)
+
+    def arrived(self, deployment: str, tokens: float) -> None:
+        counts = self.arrivals.get(deployment)
+        if counts is None:
+            counts = self.arrivals[deployment] = [0, 0]
+        counts[0] += 1
+        counts[1] += max(0, round(tokens))
 
     def attempt(self, deployment: str, version: str, *, error: bool) -> None:
         """One try on a replica of `version` ended: an error when the replica answered 5xx or

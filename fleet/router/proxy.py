@@ -205,6 +205,9 @@ class Router:
                 # Per model version: what a rollout's analysis compares (fleet/rollout/)
                 "versions": self.metrics.version_figures(pool.name, [pool.stable, pool.canary]),
             }
+            # Demand counters (fleet/autoscaler/demand.py): 0 is a figure (nothing came).
+            requests, tokens = self.metrics.arrivals.get(pool.name, (0, 0))
+            deployments[pool.name].update(arrived=requests, arrived_tokens=tokens)
         url = f"{self.settings.fleet_url.rstrip('/')}/api/v1/routing/report"
         headers = {"Authorization": f"Bearer {self.settings.token.get_secret_value()}"}
         body: dict[str, Any] = {"router": self.identity, "deployments": deployments}
@@ -391,6 +394,7 @@ class Router:
             expected_output=pool.estimate.expected(max_output(body)),
             blocks=request_blocks(body, chat),
         )
+        self.metrics.arrived(pool.name, cost.prompt_tokens + cost.expected_output)
         stream = bool(body.get("stream"))
         tried: set[str] = set()
         s = self.settings

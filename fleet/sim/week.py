@@ -99,7 +99,7 @@ class ForecastModel(_Strict):
     refit_s: float = Field(default=3600.0, gt=0)
     slot_s: float = 900.0
     weeks: int = Field(default=4, ge=1)
-    peak_q: float = Field(default=0.9, gt=0, le=1)
+    peak_q: float = Field(default=fc.PEAK_Q, gt=0, le=1)
     max_error: float = Field(default=0.35, gt=0)
     resume_error: float = Field(default=0.25, gt=0)
 
@@ -361,7 +361,10 @@ class WeekResult:
     forecast_ticks: int = 0  # scored ticks the forecast won
     forecast_off: list[tuple[float, str]] = field(default_factory=list)  # (time, "off"/"on")
     wait_p99_s: float = 0.0  # of the backlog's wait, per request
-    timeline: list[tuple[float, float, int, int, str]] = field(default_factory=list)
+    missed_by_hour: list[float] = field(default_factory=lambda: [0.0] * 24)  # UTC hour of day
+    gpu_hours_by_hour: list[float] = field(default_factory=lambda: [0.0] * 24)
+    # (second of the scored days, req/s, target, serving, rule, share within SLA)
+    timeline: list[tuple[float, float, int, int, str, float]] = field(default_factory=list)
 
     @property
     def attainment(self) -> float:
@@ -406,7 +409,7 @@ def run(
     fcfg = scenario.forecast.config()
     accuracy = fc.Accuracy(fcfg)
     minutes: list[tuple[float, float]] = []
-    samples: deque[tuple[float, int, float | None]] = deque(maxlen=24 * 60)
+    samples: deque[tuple[float, int, float | None]] = deque(maxlen=fc.BUSY_KEPT)
     profile: fc.Profile | None = None
     next_fit = t0
     minute_requests = 0.0
@@ -414,6 +417,9 @@ def run(
     minute_ticks = 0
     per_minute = max(1, round(MINUTE_S / interval))
     keep_minutes = int(fcfg.weeks * 7 * 1440)
+    # The look-ahead the service plans with: the boots' p90 plus FLEET_BOOT_MARGIN_PCT
+    # (fleet/provisioning/boot_times.py), here over the scenario's boot distribution.
+    lead = spec.ready_p90_s * (1 + float(auto._default("boot_margin_pct")) / 100)
     seen: fc.Forecast | None = None
     per_server: float | None = None
 
@@ -439,12 +445,16 @@ def run(
             load = 1.0
             wait = math.inf
         lo, hi, w = cal.at(load)
+        met = 1.0
         if scored:
             met = (1 - w) * lo.met(wait) + w * hi.met(wait) if capacity > 0 else 0.0
             out.requests += arrived
             out.met += arrived * met
+            hour = int((now % 86_400) // 3600)
+            out.missed_by_hour[hour] += arrived * (1 - met)
             on = serving + len(booting)
             out.gpu_hours += on * gpus * interval / 3600
+            out.gpu_hours_by_hour[hour] += on * gpus * interval / 3600
             out.booting_gpu_hours += len(booting) * gpus * interval / 3600
             out.peak_servers = max(out.peak_servers, on)
             waits.append((wait, arrived))
@@ -482,7 +492,8 @@ def run(
             minute = now - (per_minute - 1) * interval
             minutes.append((minute, minute_requests))
             use = minute_slot / per_minute if serving else None
-            samples.append((minute_requests, serving, use))
+            if use is not None and use >= fc.BUSY:
+                samples.append((minute_requests, serving, use))
             accuracy.observe(minute, minute_requests)
             switched = accuracy.update()
             if switched is not None and scored:
@@ -499,15 +510,15 @@ def run(
             # The forecast moves only as minutes complete: made again at each minute's end.
             if now >= next_fit:
                 profile = fc.fit(minutes[-keep_minutes:], now, fcfg)
+                per_server = fc.capacity_per_server(samples, config.slot_ceiling)
                 next_fit = now + scenario.forecast.refit_s
             if minute_ticks == 0 and profile is not None:
-                per_server = fc.capacity_per_server(samples, config.slot_ceiling)
-                seen = fc.forecast(profile, minutes[-60:], now, spec.ready_p90_s)
+                seen = fc.forecast(profile, minutes[-60:], now, lead)
                 if seen is not None:
-                    accuracy.predict(fc.minute_of(now + spec.ready_p90_s), seen.point_rpm)
+                    accuracy.predict(fc.minute_of(now + lead), seen.point_rpm)
             if seen is not None and per_server is not None and accuracy.on:
                 forecast_servers = min(fc.servers_for(seen.peak_rpm, per_server), fleet)
-                basis = seen.describe(spec.ready_p90_s)
+                basis = seen.describe(lead)
         state = auto.state(
             scenario.name,
             spec,
@@ -519,6 +530,7 @@ def run(
             last_down_at=last_down,
             router_waiting=round(backlog) if serving == 0 else 0,
         )
+        state = replace(state, boot_p90_s=lead)  # as the service's state carries it
         if forecast_servers is not None:
             state = _with(state, forecast_servers, basis)
         decision = decide(state, list(history), now, config)
@@ -548,7 +560,7 @@ def run(
             serving -= extra
         if timeline_every and i % timeline_every == 0 and scored:
             at = now - scenario.start.timestamp()
-            out.timeline.append((at, rate, target, serving, decision.rule))
+            out.timeline.append((at, rate, target, serving, decision.rule, met))
     out.wait_p99_s = _weighted_quantile(waits, 0.99)
     return out
 

@@ -185,6 +185,18 @@ def test_a_running_router_reports_its_load_to_the_fleet(
                     rows = list(s.exec(select(RouterReport)))
             assert rows, "no report arrived"
             assert rows[0].deployment == "llama" and rows[0].waiting == 0
+            assert rows[0].arrived == 0  # nothing arrived yet: the demand counter says so
+            # A request for the deployment (no replica: the router holds it) is demand, one
+            # for a model nobody serves is not.
+            base = f"http://127.0.0.1:{port}/v1/completions"
+            assert httpx.post(base, json={"model": "nope", "prompt": "x"}).status_code == 404
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(base, json={"model": "llama", "prompt": "hi there"}, timeout=0.5)
+            while rows[0].arrived != 1 and time.monotonic() < deadline + 10:
+                time.sleep(0.2)
+                with Session(db) as s:
+                    rows = list(s.exec(select(RouterReport)))
+            assert rows[0].arrived == 1 and (rows[0].arrived_tokens or 0) > 0
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=15)
@@ -233,6 +245,10 @@ def test_a_report_out_of_bounds_is_refused_naming_the_field(
             ({"waiting": 1, "p95_s": True}, "p95_s"),
             ({"waiting": 1, "ttft_p95_s": 7200}, "ttft_p95_s"),
             ({"waiting": 1, "ttft_p95_s": -0.1}, "ttft_p95_s"),
+            ({"waiting": 1, "arrived": -1}, "arrived"),
+            ({"waiting": 1, "arrived": True}, "arrived"),
+            ({"waiting": 1, "arrived": 1.5}, "arrived"),
+            ({"waiting": 1, "arrived_tokens": 2**60}, "arrived_tokens"),
         ):
             reply = report(load)
             assert reply.status_code == 422 and field in reply.json()["detail"], (load, reply.text)

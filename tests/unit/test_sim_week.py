@@ -106,9 +106,7 @@ def test_the_week_acceptance_predictive_beats_reactive_within_the_budget() -> No
     GPU-hours, and strictly better than reactive alone at no more than 5 % extra GPU-hours."""
     loaded = week.load(SCENARIO)
     assert loaded is not None
-    _, _, (predictive, reactive, peak) = week.compare(
-        loaded, ["predictive", "reactive", "peak"]
-    )
+    _, _, (predictive, reactive, peak) = week.compare(loaded, ["predictive", "reactive", "peak"])
     assert predictive.attainment >= 0.995
     assert predictive.gpu_hours <= 0.60 * peak.gpu_hours
     assert predictive.attainment > reactive.attainment
