@@ -17,6 +17,14 @@ class SecretBox:
     def encrypt(self, plaintext: str) -> str:
         return self._fernet.encrypt(plaintext.encode()).decode()
 
+    def decrypt_within(self, ciphertext: str, ttl_s: int) -> str | None:
+        """The plaintext of something this box encrypted less than `ttl_s` ago; None when it
+        is older, forged or from another key (a console session: fleet/console/session.py)."""
+        try:
+            return self._fernet.decrypt(ciphertext.encode(), ttl=ttl_s).decode()
+        except (InvalidToken, ValueError):
+            return None
+
     def decrypt(self, ciphertext: str) -> str:
         try:
             return self._fernet.decrypt(ciphertext.encode()).decode()

@@ -42,6 +42,7 @@ from fleet.api.routes import (
 )
 from fleet.api.routes import events as events_routes
 from fleet.api.routes.health import Readiness
+from fleet.console import routes as console_routes
 from fleet.control.loops import stop_all
 from fleet.control.service_loops import build_loops
 from fleet.crypto import SecretBox
@@ -191,6 +192,8 @@ def create_app(
         return JSONResponse(body, status_code=422)
 
     app.include_router(health.router)
+    # The web console (fleet/console/, docs/console.md): HTML pages at /ui, not in the schema.
+    app.include_router(console_routes.router)
     for module in (
         inventory,
         sites,

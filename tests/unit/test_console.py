@@ -1,0 +1,202 @@
+"""The web console (fleet/console/) over HTTP on both databases, as a browser and a hostile
+client would talk to it: sign-in and its cookie, CSRF, who sees and may do what, escaping,
+paging, the live fragments and the event stream. The elevation and power bars are plain data:
+tested here without a service. The real-browser tests: tests/e2e/worlds/test_console_browser.py.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from factories import add_rack, add_server, add_site
+from live import Live, serve
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from fleet.console.elevation import Box, elevation, power_bars
+from fleet.models import Event, Role, Server
+
+# ---------------------------------------------------------------------------------------------
+# plain data
+
+
+def test_the_elevation_runs_from_the_top_u_down_with_gaps_merged() -> None:
+    boxes = elevation(
+        10,
+        [
+            ("a", 1, 2, "serving", "8× H100", "llama"),
+            ("b", 5, 4, "warm", "8× H100", None),
+        ],
+    )
+    assert [(b.top, b.height, b.server, b.group) for b in boxes] == [
+        (10, 2, None, "empty"),
+        (8, 4, "b", "spare"),
+        (4, 2, None, "empty"),
+        (2, 2, "a", "serving"),
+    ]
+    assert sum(b.height for b in boxes) == 10
+
+
+def test_a_server_past_the_top_or_over_another_is_cut_not_lost() -> None:
+    boxes = elevation(4, [("tall", 3, 4, "failed", "", None), ("low", 1, 3, "booting", "", None)])
+    assert boxes[0] == Box(4, 2, "tall", "failed", "fault", "", None)
+    assert boxes[1].server == "low" and boxes[1].height == 2  # U3 is taken by "tall"
+    assert sum(b.height for b in boxes) == 4
+
+
+def test_a_rack_at_its_high_water_mark_is_hot() -> None:
+    cool = power_bars(10_000, 8_000, 8_999, 90.0)
+    hot = power_bars(10_000, 8_000, 9_000, 90.0)
+    over = power_bars(10_000, 10_001, None, 90.0)
+    assert not cool.hot and hot.hot and over.hot
+    assert over.committed_bar == 100.0 and over.drawn_pct is None
+    assert hot.drawn_pct == pytest.approx(90.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# over HTTP
+
+
+@pytest.fixture
+def fleet(db: Engine, session: Session, tmp_path: Path) -> Iterator[Live]:
+    site = add_site(session, "fra1")
+    rack = add_rack(session, site, "fra1-r01")
+    for i, (state, u) in enumerate((("serving", 1), ("warm", 9), (None, 17)), start=1):
+        add_server(session, rack, f"gpu-0{i}", state, u_position=u, bmc_system_id=f"gpu-0{i}")
+    with serve(db, tmp_path) as live:
+        yield live
+
+
+def browser(live: Live) -> httpx.Client:
+    return httpx.Client(base_url=live.url, follow_redirects=False, timeout=30)
+
+
+def sign_in(live: Live, role: Role) -> httpx.Client:
+    client = browser(live)
+    reply = client.post("/ui/login", data={"token": live.token(role, name=f"{role.value}-1")})
+    assert reply.status_code == 303 and reply.headers["location"] == "/ui/racks"
+    return client
+
+
+def csrf(page: str) -> str:
+    match = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert match, "no CSRF field on the page"
+    return match.group(1)
+
+
+def test_signing_in_sets_a_cookie_no_script_or_other_site_can_use(fleet: Live) -> None:
+    client = browser(fleet)
+    assert client.get("/ui/racks").headers["location"] == "/ui/login"  # not signed in
+    token = fleet.token(Role.VIEWER, name="v")
+    reply = client.post("/ui/login", data={"token": token})
+    cookie = reply.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/ui" in cookie
+    assert token not in cookie  # encrypted: the browser holds nothing it can read
+    page = client.get("/ui/racks")
+    assert page.status_code == 200 and "fra1-r01" in page.text
+    assert token not in page.text and "viewer" in page.text
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    # Signing out ends it.
+    out = client.post("/ui/logout", data={"csrf": csrf(page.text)})
+    assert out.status_code == 303 and client.get("/ui/racks").status_code == 303
+
+
+def test_bad_tokens_and_tokens_of_other_roles_do_not_sign_in(fleet: Live) -> None:
+    client = browser(fleet)
+    assert client.post("/ui/login", data={"token": "flt_nope"}).status_code == 401
+    assert client.post("/ui/login", data={"token": ""}).status_code == 401
+    router = fleet.token(Role.ROUTER, name="r")
+    refused = client.post("/ui/login", data={"token": router})
+    assert refused.status_code == 403 and "cannot sign in" in refused.text
+    # A forged or tampered cookie is no session.
+    client.cookies.set("fleet_console", "gAAAAAforged", path="/ui")
+    assert client.get("/ui/racks").status_code == 303
+
+
+def test_a_revoked_token_ends_its_sessions(fleet: Live) -> None:
+    client = sign_in(fleet, Role.OPERATOR)
+    admin = fleet.client(fleet.token(Role.ADMIN, name="a"))
+    tokens = admin.get("/api/v1/tokens").json()["results"]
+    operator = next(t for t in tokens if t["name"] == "operator-1")
+    assert admin.delete(f"/api/v1/tokens/{operator['id']}").status_code < 300
+    assert client.get("/ui/racks").status_code == 303
+
+
+def test_a_viewer_sees_no_action_and_a_forged_post_is_refused(fleet: Live, db: Engine) -> None:
+    viewer = sign_in(fleet, Role.VIEWER)
+    page = viewer.get("/ui/servers/gpu-01")
+    assert page.status_code == 200 and "gpu-01" in page.text
+    assert "/action" not in page.text and "Do it" not in page.text
+    form = {"action": "drain", "reason": "x", "confirm": "yes", "csrf": csrf(page.text)}
+    refused = viewer.post("/ui/servers/gpu-01/action", data=form)
+    assert refused.status_code == 403 and "needs the operator role" in refused.text
+    operator = sign_in(fleet, Role.OPERATOR)
+    op_page = operator.get("/ui/servers/gpu-01").text
+    # A post without the session's CSRF value, or with another session's, changes nothing.
+    for value in ("", csrf(page.text), "x" * 43):
+        bad = operator.post("/ui/servers/gpu-01/action", data={**form, "csrf": value})
+        assert bad.status_code == 403 and "CSRF" in bad.text
+    # Nor one without its confirmation or reason.
+    good = {**form, "csrf": csrf(op_page)}
+    assert (
+        operator.post("/ui/servers/gpu-01/action", data={**good, "confirm": ""}).status_code == 400
+    )
+    assert (
+        operator.post("/ui/servers/gpu-01/action", data={**good, "reason": " "}).status_code == 400
+    )
+    with Session(db) as s:
+        assert s.exec(select(Server).where(Server.name == "gpu-01")).one().state == "serving"
+    done = operator.post("/ui/servers/gpu-01/action", data={**good, "reason": "fans <b>loud</b>"})
+    assert done.status_code == 303 and "Drain" in done.headers["location"]
+    with Session(db) as s:
+        assert s.exec(select(Server).where(Server.name == "gpu-01")).one().state == "draining"
+        event = s.exec(select(Event).where(Event.subject == "gpu-01")).all()[-1]
+    assert event.actor == "operator:operator-1" and "fans <b>loud</b>" in event.message
+    shown = operator.get("/ui/servers/gpu-01").text
+    assert "fans &lt;b&gt;loud&lt;/b&gt;" in shown and "fans <b>" not in shown
+
+
+def test_lists_page_and_filter_in_the_database(fleet: Live) -> None:
+    client = sign_in(fleet, Role.VIEWER)
+    page = client.get("/ui/servers", params={"state": "warm"})
+    assert page.status_code == 200 and "1 match" in page.text and "gpu-02" in page.text
+    assert client.get("/ui/servers", params={"state": "bogus"}).status_code == 400
+    assert "3 match" in client.get("/ui/servers").text
+
+
+def test_the_live_fragments_and_the_event_stream(fleet: Live, db: Engine) -> None:
+    client = sign_in(fleet, Role.VIEWER)
+    racks = client.get("/ui/racks")
+    live = re.search(r'data-live="([^"]+)"', racks.text)
+    assert live is not None
+    fragment = client.get(live.group(1).replace("&amp;", "&"))
+    assert fragment.status_code == 200 and 'data-server="gpu-01"' in fragment.text
+    assert "<html" not in fragment.text
+    assert browser(fleet).get(live.group(1)).status_code == 401  # no session, no fragment
+    assert client.get("/ui/racks/fra1-r01").status_code == 200
+    assert client.get("/ui/racks/nope").status_code == 404
+    with Session(db) as s:
+        last = max(e.id or 0 for e in s.exec(select(Event)))
+        s.add(
+            Event(
+                subject_type="server",
+                subject="gpu-02",
+                actor="t",
+                kind="test.kind",
+                message="<script>alert(1)</script>",
+                details={},
+            )
+        )
+        s.commit()
+    with client.stream("GET", "/ui/events/stream", params={"after": last}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        data = ""
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                data = line
+                break
+    assert "test.kind" in data and "&lt;script&gt;" in data and "<script>" not in data
