@@ -138,6 +138,19 @@ def _refused(request: Request, w: Who | None, why: str, status: int = 403) -> Re
     return page(request, "refused.html", {"who": w, "why": why}, status)
 
 
+def operator_post(request: Request, csrf: str) -> Who | Response:
+    """The caller of an action's POST, or the refusal: signed in, the session's CSRF value,
+    and an operator's (or an admin's) token, checked in that order."""
+    w = who(request)
+    if w is None:
+        return _refused(request, None, "Sign in first.", 401)
+    if not sessions.same_csrf(w.session, csrf):
+        return _refused(request, w, "The form's CSRF value is missing or wrong.")
+    if not w.operator:
+        return _refused(request, w, edge.role_refusal(w.principal, Role.OPERATOR))
+    return w
+
+
 def _base(w: Who, **more: Any) -> dict[str, Any]:
     return {"who": w, "csrf": w.session.csrf, **more}
 
@@ -439,13 +452,9 @@ def server_action(
     confirm: str = Form(""),
     csrf: str = Form(""),
 ) -> Response:
-    w = who(request)
-    if w is None:
-        return _refused(request, None, "Sign in first.", 401)
-    if not sessions.same_csrf(w.session, csrf):
-        return _refused(request, w, "The form's CSRF value is missing or wrong.")
-    if not w.operator:
-        return _refused(request, w, edge.role_refusal(w.principal, Role.OPERATOR))
+    w = operator_post(request, csrf)
+    if not isinstance(w, Who):
+        return w
     if action not in ACTIONS:
         return _refused(request, w, f"No action {action!r}: one of {', '.join(ACTIONS)}.", 400)
     if confirm != "yes":
@@ -514,13 +523,9 @@ def autopilot(
     confirm: str = Form(""),
     csrf: str = Form(""),
 ) -> Response:
-    w = who(request)
-    if w is None:
-        return _refused(request, None, "Sign in first.", 401)
-    if not sessions.same_csrf(w.session, csrf):
-        return _refused(request, w, "The form's CSRF value is missing or wrong.")
-    if not w.operator:
-        return _refused(request, w, edge.role_refusal(w.principal, Role.OPERATOR))
+    w = operator_post(request, csrf)
+    if not isinstance(w, Who):
+        return w
     if to not in ("pause", "resume") or confirm != "yes" or not reason.strip():
         return _refused(request, w, "Pause or resume, with the box ticked and a reason.", 400)
     with Session(_engine(request)) as session:
