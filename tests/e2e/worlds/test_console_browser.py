@@ -31,20 +31,20 @@ import yaml
 from colo_world import World, colo_world
 from factories import TEST_SECRET_KEY
 from live import make_token, serve
+from playwright import sync_api as playwright
 from repo_paths import ROOT
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from fleet.crypto import SecretBox
-from fleet.db import make_engine
 from fleet.data import DEMO_INVENTORY
+from fleet.db import make_engine
 from fleet.inventory.apply import import_inventory
 from fleet.inventory.schema import InventoryFile, parse_inventory
 from fleet.lab.harness import FAST_AGENT_SETTINGS, FAST_SERVICE_SETTINGS, SERVING_SETTINGS
 from fleet.lab.harness import wait_for as _wait_for
 from fleet.models import Role
 
-playwright = pytest.importorskip("playwright.sync_api")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 for tool in ("ipmi_sim", "ipmitool"):
     if shutil.which(tool) is None or not Path(CHROMIUM).exists():
