@@ -70,6 +70,8 @@ def seed(engine: sa.Engine, deployments: int, weeks: int, rng: random.Random) ->
                         tokens=demand.pack([v * 600 for v in values]),
                         servers=demand.pack([2.0] * 60),
                         slot_use=demand.pack(uses),
+                        p95_s=demand.pack([1.0] * 60),
+                        ttft_p95_s=demand.pack([0.1] * 60),
                     )
                 )
                 hour += timedelta(hours=1)

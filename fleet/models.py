@@ -1244,8 +1244,9 @@ class RouterReport(SQLModel, table=True):
 class DemandHour(SQLModel, table=True):
     """One deployment's demand for one hour, a value per minute (fleet/autoscaler/demand.py):
     requests and tokens that arrived at the routers, the servers serving and their batch-slot
-    use. Packed as 60 little-endian float32 each (NaN: a minute not seen), so a year of 100
-    deployments is 876,000 rows, not 52 million; written by the leader's autoscaler only."""
+    use, and the p95 and TTFT p95 the autoscaler saw. Packed as 60 little-endian float32 each
+    (NaN: a minute not seen), so a year of 100 deployments is 876,000 rows, not 52 million;
+    written by the leader's autoscaler only."""
 
     __tablename__ = "demand_hour"
     __table_args__ = (sa.UniqueConstraint("deployment", "hour"),)
@@ -1257,6 +1258,8 @@ class DemandHour(SQLModel, table=True):
     tokens: bytes = Field(sa_type=sa.LargeBinary)
     servers: bytes = Field(sa_type=sa.LargeBinary)
     slot_use: bytes = Field(sa_type=sa.LargeBinary)
+    p95_s: bytes = Field(sa_type=sa.LargeBinary)
+    ttft_p95_s: bytes = Field(sa_type=sa.LargeBinary)
 
 
 class PowerSample(SQLModel, table=True):

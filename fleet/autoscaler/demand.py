@@ -58,6 +58,8 @@ class _Minute:
     seen: bool = False  # some router reported the deployment in it
     servers: int = 0
     slot_use: float | None = None
+    p95_s: float | None = None
+    ttft_p95_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class Closed:
     tokens: float
     servers: int
     slot_use: float | None
+    p95_s: float | None = None
+    ttft_p95_s: float | None = None
 
 
 @dataclass
@@ -110,9 +114,12 @@ class DemandBook:
         counted: tuple[float, float] | None,
         servers: int,
         slot_use: float | None,
+        p95_s: float | None = None,
+        ttft_p95_s: float | None = None,
     ) -> Closed | None:
-        """Add a tick's counts (None: no router reports the deployment) to its minute; the
-        minute that ended, if one did."""
+        """Add a tick's counts (None: no router reports the deployment) to its minute, with
+        what the tick saw (the minute keeps its last tick's); the minute that ended, if one
+        did."""
         minute = fc.minute_of(at)
         current = self.minutes.get(deployment)
         closed = None
@@ -125,6 +132,8 @@ class DemandBook:
                     current.tokens if current.seen else NAN,
                     current.servers,
                     current.slot_use,
+                    current.p95_s,
+                    current.ttft_p95_s,
                 )
             current = self.minutes[deployment] = _Minute(minute)
         if counted is not None:
@@ -132,6 +141,7 @@ class DemandBook:
             current.requests += counted[0]
             current.tokens += counted[1]
         current.servers, current.slot_use = servers, slot_use
+        current.p95_s, current.ttft_p95_s = p95_s, ttft_p95_s
         return closed
 
 
@@ -153,6 +163,8 @@ def write(session: Session, closed: Closed) -> None:
             tokens=empty,
             servers=empty,
             slot_use=empty,
+            p95_s=empty,
+            ttft_p95_s=empty,
         )
     i = at.minute
     for name, value in (
@@ -160,6 +172,8 @@ def write(session: Session, closed: Closed) -> None:
         ("tokens", closed.tokens),
         ("servers", float(closed.servers)),
         ("slot_use", NAN if closed.slot_use is None else closed.slot_use),
+        ("p95_s", NAN if closed.p95_s is None else closed.p95_s),
+        ("ttft_p95_s", NAN if closed.ttft_p95_s is None else closed.ttft_p95_s),
     ):
         values = unpack(getattr(row, name))
         values[i] = value
@@ -188,6 +202,25 @@ def read(
             zip(unpack(row.requests), unpack(row.servers), unpack(row.slot_use), strict=True)
         ):
             out.append((start + 60.0 * i, r, s, u))
+    return out
+
+
+def read_recent(
+    session: Session, deployment: str, since: datetime
+) -> list[tuple[float, float, float, float]]:
+    """The deployment's minutes since `since` for a chart: (minute, requests, p95, TTFT p95);
+    NaN where not seen (the console's deployments page)."""
+    rows = session.exec(
+        select(DemandHour)
+        .where(DemandHour.deployment == deployment, DemandHour.hour >= since)
+        .order_by(col(DemandHour.hour))
+    )
+    out = []
+    for row in rows:
+        start = row.hour.timestamp()
+        series = zip(unpack(row.requests), unpack(row.p95_s), unpack(row.ttft_p95_s), strict=True)
+        for i, (r, p, t) in enumerate(series):
+            out.append((start + 60.0 * i, r, p, t))
     return out
 
 

@@ -168,7 +168,15 @@ def _predict(
     epoch = at.timestamp()
     name = deployment.name
     predictor = forecasts.predictor(name)
-    closed = forecasts.book.add(name, epoch, counted.get(name), state.serving, signals.slot_use)
+    closed = forecasts.book.add(
+        name,
+        epoch,
+        counted.get(name),
+        state.serving,
+        signals.slot_use,
+        signals.p95_latency_s,
+        signals.ttft_p95_s,
+    )
     if closed is not None:
         demand.write(session, closed)
         switched = predictor.observe(closed)

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -29,8 +30,11 @@ from sqlmodel import Session, col, select
 
 from fleet.api import edge
 from fleet.auth import Principal
+from fleet.autoscaler import demand
 from fleet.bmc.base import Action
+from fleet.calendar.entries import list_entries
 from fleet.console import session as sessions
+from fleet.console.charts import Chart, line_chart
 from fleet.console.elevation import STATE_GROUP, elevation, power_bars
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError
@@ -60,6 +64,7 @@ PAGE = 50  # rows per list page; racks per racks page: RACKS_PAGE
 RACKS_PAGE = 24
 STREAM_S = 600.0  # an event stream ends after this; the browser reconnects
 STREAM_POLL_S = 1.0
+CHART_S = 3 * 3600.0  # the deployments page's charts: the last three hours
 SECURITY_HEADERS = {
     # Our own script and styles only: no inline script, no other origin, no framing.
     "Content-Security-Policy": (
@@ -488,7 +493,8 @@ def deployments_page(request: Request) -> Response:
     w = who(request)
     if w is None:
         return _login()
-    with Session(_engine(request)) as session:
+    # The rows are read after the session (the template): nothing may expire them.
+    with Session(_engine(request), expire_on_commit=False) as session:
         deployments = list(session.exec(select(Deployment).order_by(col(Deployment.name))))
         counts: dict[int, dict[str, int]] = {}
         for dep_id, state, n in session.exec(
@@ -508,11 +514,40 @@ def deployments_page(request: Request) -> Response:
                 )
             )
         autopilot = get_autopilot(session)
+        end = time.time()
+        charts = {d.name: _charts(session, d, end) for d in deployments}
+        windows = {
+            d.name: [e for e in list_entries(session, _settings(request), d.name) if e["next"]]
+            for d in deployments
+        }
     rows = [
-        {"deployment": d, "states": counts.get(d.id or 0, {}), "decisions": decisions[d.name]}
+        {
+            "deployment": d,
+            "states": counts.get(d.id or 0, {}),
+            "decisions": decisions[d.name],
+            "charts": charts[d.name],
+            "windows": windows[d.name],
+        }
         for d in deployments
     ]
     return page(request, "deployments.html", _base(w, rows=rows, autopilot=autopilot))
+
+
+def _charts(session: Session, d: Deployment, end: float) -> dict[str, Chart]:
+    """The last CHART_S of the deployment's minutes (fleet/autoscaler/demand.py): requests
+    per minute, and the p95 and TTFT p95 the autoscaler saw against the SLA."""
+    start = end - CHART_S
+    since = datetime.fromtimestamp(start, tz=UTC).replace(minute=0, second=0, microsecond=0)
+    minutes = demand.read_recent(session, d.name, since)
+    return {
+        "requests": line_chart([(t, r) for t, r, _, _ in minutes], start, end),
+        "p95": line_chart(
+            [(t, p) for t, _, p, _ in minutes], start, end, limit=d.sla_p95_latency_ms / 1000
+        ),
+        "ttft": line_chart(
+            [(t, x) for t, _, _, x in minutes], start, end, limit=d.sla_ttft_ms / 1000
+        ),
+    }
 
 
 @router.post("/autopilot")

@@ -200,3 +200,63 @@ def test_the_live_fragments_and_the_event_stream(fleet: Live, db: Engine) -> Non
                 data = line
                 break
     assert "test.kind" in data and "&lt;script&gt;" in data and "<script>" not in data
+
+
+def test_a_chart_breaks_at_missing_minutes_and_counts_minutes_over_its_limit() -> None:
+    from fleet.console.charts import HEIGHT, line_chart
+
+    nan = float("nan")
+    points = [(0.0, 1.0), (60.0, 2.0), (120.0, nan), (180.0, 3.0), (240.0, 4.0)]
+    chart = line_chart(points, 0.0, 240.0, limit=2.5)
+    assert len(chart.lines) == 2  # the gap at 120 s splits the line
+    assert chart.last == 4.0 and chart.peak == 4.0 and chart.over == 2
+    assert chart.limit_y == pytest.approx(HEIGHT - 2.5 / 4.0 * HEIGHT)
+    empty = line_chart([], 0.0, 60.0, limit=1.0)
+    assert empty.lines == [] and empty.last is None and empty.top == 1.25
+
+
+def test_the_deployments_page_draws_its_history_and_calendar(fleet: Live, db: Engine) -> None:
+    from datetime import UTC, datetime
+
+    from fleet.autoscaler import demand
+    from fleet.models import DemandHour, Deployment, ScheduleEntry
+
+    with Session(db) as s:
+        dep = Deployment(
+            name="chat",
+            model_uri="s3://m/x",
+            model_checksum="sha256:1",
+            gpus_per_replica=8,
+            sla_p95_latency_ms=2000,
+            sla_ttft_ms=500,
+        )
+        s.add(dep)
+        s.commit()
+        hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+        s.add(
+            DemandHour(
+                deployment="chat",
+                hour=hour,
+                requests=demand.pack([120.0] * 60),
+                tokens=demand.pack([0.0] * 60),
+                servers=demand.pack([1.0] * 60),
+                slot_use=demand.pack([0.5] * 60),
+                p95_s=demand.pack([3.0] * 60),
+                ttft_p95_s=demand.pack([0.1] * 60),
+            )
+        )
+        s.add(
+            ScheduleEntry(
+                deployment_id=dep.id or 0,
+                cron="0 9 * * 1-5",
+                timezone="Europe/Berlin",
+                min_replicas=2,
+                duration_s=3600,
+                created_by="t",
+            )
+        )
+        s.commit()
+    page = sign_in(fleet, Role.VIEWER).get("/ui/deployments").text
+    assert "Requests a minute (3 h): now 120" in page
+    assert "p95 latency against the SLA (3 h): now 3 s" in page and "minutes over" in page
+    assert "Calendar: at least 2 replicas from" in page and "Europe/Berlin" in page

@@ -186,6 +186,14 @@ def test_the_tick_writes_each_minute_into_its_hours_row(db: Engine, llama: str) 
         minutes = demand.read(session, llama, MONDAY)
     seen = [(datetime.fromtimestamp(t, UTC).strftime("%H:%M"), r, s, u) for t, r, s, u in minutes]
     seen = [x for x in seen if not math.isnan(x[1])]
+    with Session(db) as session:
+        recent = [x for x in demand.read_recent(session, llama, MONDAY) if not math.isnan(x[1])]
+    # The p95s as the ticks saw them (the heartbeats' 0.4 s and 0.05 s), as float32.
+    assert [(r, round(p, 6), round(t, 6)) for _, r, p, t in recent] == [
+        (36.0, 0.4, 0.05),
+        (48.0, 0.4, 0.05),
+        (48.0, 0.4, 0.05),
+    ]
     # 09:58 starts with the baseline (three ticks counted), then 48 a minute; 10:01 is open.
     assert seen == [
         ("09:58", 36.0, 2.0, 0.25),
@@ -205,6 +213,8 @@ def hour_row(
         tokens=demand.pack([0.0] * 60),
         servers=demand.pack([servers] * 60),
         slot_use=demand.pack([slot_use] * 60),
+        p95_s=demand.pack([0.4] * 60),
+        ttft_p95_s=demand.pack([0.05] * 60),
     )
 
 

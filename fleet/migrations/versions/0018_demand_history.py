@@ -30,6 +30,8 @@ def upgrade() -> None:
         sa.Column("tokens", sa.LargeBinary(), nullable=False),
         sa.Column("servers", sa.LargeBinary(), nullable=False),
         sa.Column("slot_use", sa.LargeBinary(), nullable=False),
+        sa.Column("p95_s", sa.LargeBinary(), nullable=False),
+        sa.Column("ttft_p95_s", sa.LargeBinary(), nullable=False),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("deployment", "hour"),
     )
