@@ -11,8 +11,10 @@ paged in the database (`PAGE` rows), so a 10,000-server fleet costs one page's r
 from __future__ import annotations
 
 import asyncio
+import hmac
 import html
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -172,18 +174,42 @@ def home() -> Response:
 
 @router.get("/login")
 def login_page(request: Request) -> Response:
-    return page(request, "login.html", {"who": None, "error": None})
+    return _login_form(request, None, 200)
+
+
+def _login_form(request: Request, error: str | None, status: int) -> Response:
+    """The sign-in form with a fresh pre-session CSRF value, in the form and in a cookie a
+    page elsewhere cannot send (SameSite=Strict): signing a browser in with someone else's
+    token (login CSRF) needs both."""
+    value = secrets.token_urlsafe(32)
+    reply = page(request, "login.html", {"who": None, "error": error, "csrf": value}, status)
+    reply.set_cookie(
+        sessions.LOGIN_COOKIE,
+        value,
+        max_age=3600,
+        path="/ui/login",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return reply
 
 
 @router.post("/login")
-def login(request: Request, token: str = Form("", max_length=edge.MAX_TOKEN_CHARS)) -> Response:
+def login(
+    request: Request,
+    token: str = Form("", max_length=edge.MAX_TOKEN_CHARS),
+    csrf: str = Form(""),
+) -> Response:
+    expected = request.cookies.get(sessions.LOGIN_COOKIE) or ""
+    if not expected or not hmac.compare_digest(expected.encode(), csrf.encode()):
+        return _login_form(request, "The sign-in form expired: sign in again.", 403)
     principal = edge.lookup(_engine(request), token.strip()) if token.strip() else None
     if principal is None:
-        error = "That token is not valid (unknown, revoked or expired)."
-        return page(request, "login.html", {"who": None, "error": error}, 401)
+        return _login_form(request, "That token is not valid (unknown, revoked or expired).", 401)
     if not sessions.may_sign_in(principal):
         error = f"A {principal.role.value} token cannot sign in to the console."
-        return page(request, "login.html", {"who": None, "error": error}, 403)
+        return _login_form(request, error, 403)
     cookie, _ = sessions.issue(_box(request), token.strip())
     reply = RedirectResponse("/ui/racks", status_code=303)
     reply.set_cookie(
@@ -195,6 +221,7 @@ def login(request: Request, token: str = Form("", max_length=edge.MAX_TOKEN_CHAR
         samesite="strict",
         secure=request.url.scheme == "https",
     )
+    reply.delete_cookie(sessions.LOGIN_COOKIE, path="/ui/login")
     return reply
 
 

@@ -10,6 +10,9 @@
 - **CSRF.** Every form carries the session's CSRF value; a POST whose value is missing or
   differs is refused (403) before anything happens. SameSite=Strict already keeps other sites'
   forms out; the value also stops a page of this origin that is not the console's.
+- **Sign-in CSRF.** The sign-in form carries a random value that also sits in a SameSite=Strict
+  cookie of its own; a POST without both equal is refused, so no page elsewhere can sign a
+  browser in with another token.
 - Nothing secret reaches a page or a URL: pages show the token's name and role, never the
   token; sign-in is a POST.
 """
@@ -28,6 +31,7 @@ from fleet.models import Role
 __all__ = ["COOKIE", "LIFETIME_S", "Session", "issue", "read", "same_csrf"]
 
 COOKIE = "fleet_console"
+LOGIN_COOKIE = "fleet_console_login"  # the sign-in form's CSRF value (fleet/console/routes.py)
 LIFETIME_S = 12 * 3600
 CONSOLE_ROLES = frozenset({Role.VIEWER, Role.OPERATOR, Role.ADMIN})
 

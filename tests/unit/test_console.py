@@ -75,9 +75,15 @@ def browser(live: Live) -> httpx.Client:
     return httpx.Client(base_url=live.url, follow_redirects=False, timeout=30)
 
 
+def login_form(client: httpx.Client, token: str) -> httpx.Response:
+    """GET the sign-in form (its CSRF cookie and value), then POST `token` with it."""
+    value = csrf(client.get("/ui/login").text)
+    return client.post("/ui/login", data={"token": token, "csrf": value})
+
+
 def sign_in(live: Live, role: Role) -> httpx.Client:
     client = browser(live)
-    reply = client.post("/ui/login", data={"token": live.token(role, name=f"{role.value}-1")})
+    reply = login_form(client, live.token(role, name=f"{role.value}-1"))
     assert reply.status_code == 303 and reply.headers["location"] == "/ui/racks"
     return client
 
@@ -92,8 +98,8 @@ def test_signing_in_sets_a_cookie_no_script_or_other_site_can_use(fleet: Live) -
     client = browser(fleet)
     assert client.get("/ui/racks").headers["location"] == "/ui/login"  # not signed in
     token = fleet.token(Role.VIEWER, name="v")
-    reply = client.post("/ui/login", data={"token": token})
-    cookie = reply.headers["set-cookie"]
+    reply = login_form(client, token)
+    [cookie] = [c for c in reply.headers.get_list("set-cookie") if c.startswith("fleet_console=")]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/ui" in cookie
     assert token not in cookie  # encrypted: the browser holds nothing it can read
     page = client.get("/ui/racks")
@@ -107,11 +113,18 @@ def test_signing_in_sets_a_cookie_no_script_or_other_site_can_use(fleet: Live) -
 
 def test_bad_tokens_and_tokens_of_other_roles_do_not_sign_in(fleet: Live) -> None:
     client = browser(fleet)
-    assert client.post("/ui/login", data={"token": "flt_nope"}).status_code == 401
-    assert client.post("/ui/login", data={"token": ""}).status_code == 401
+    assert login_form(client, "flt_nope").status_code == 401
+    assert login_form(client, "").status_code == 401
     router = fleet.token(Role.ROUTER, name="r")
-    refused = client.post("/ui/login", data={"token": router})
+    refused = login_form(client, router)
     assert refused.status_code == 403 and "cannot sign in" in refused.text
+    # A sign-in posted from elsewhere (no form cookie, or a value not its own) signs nothing in.
+    viewer = fleet.token(Role.VIEWER, name="v2")
+    elsewhere = browser(fleet)
+    forged = elsewhere.post("/ui/login", data={"token": viewer, "csrf": "x"})
+    assert forged.status_code == 403 and "fleet_console=" not in forged.headers.get(
+        "set-cookie", ""
+    )
     # A forged or tampered cookie is no session.
     client.cookies.set("fleet_console", "gAAAAAforged", path="/ui")
     assert client.get("/ui/racks").status_code == 303
