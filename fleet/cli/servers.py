@@ -71,6 +71,10 @@ def servers_list(
     pool: Annotated[str | None, typer.Option(help="baseline or warm")] = None,
     state: Annotated[str | None, typer.Option()] = None,
     gpu_model: Annotated[str | None, typer.Option("--gpu-model")] = None,
+    deployment: Annotated[str | None, typer.Option(help="the deployment it serves")] = None,
+    health: Annotated[
+        str | None, typer.Option(help="the agent's verdict: healthy, degraded or unhealthy")
+    ] = None,
     limit: Limit = None,
     url: Url = DEFAULT_URL,
     token: Token = None,
@@ -86,6 +90,8 @@ def servers_list(
             pool=pool,
             state=state,
             gpu_model=gpu_model,
+            deployment=deployment,
+            health=health,
         )
     )
     show(rows, output, SERVER_COLUMNS)

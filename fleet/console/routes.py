@@ -54,6 +54,7 @@ from fleet.models import (
     Role,
     ScalingDecision,
     Server,
+    Verdict,
 )
 from fleet.power.actions import power
 from fleet.provisioning.autopilot import get_autopilot, set_paused
@@ -379,6 +380,8 @@ def servers_page(
     pool: str = "",
     state: str = "",
     gpu_model: str = "",
+    deployment: str = "",
+    health: str = "",
     p: int = 1,
 ) -> Response:
     w = who(request)
@@ -391,6 +394,8 @@ def servers_page(
             pool=Pool(pool) if pool else None,
             state=ServerState(state) if state else None,
             gpu_model=gpu_model or None,
+            deployment=deployment or None,
+            health=Verdict(health) if health else None,
         )
     except ValueError as exc:
         return _refused(request, w, f"Not a filter: {exc}.", 400)
@@ -398,7 +403,15 @@ def servers_page(
     with Session(_engine(request)) as session:
         count, rows = list_servers(session, where, PAGE, (number - 1) * PAGE)
     pages = max(1, math.ceil(count / PAGE))
-    filters = {"site": site, "rack": rack, "pool": pool, "state": state, "gpu_model": gpu_model}
+    filters = {
+        "site": site,
+        "rack": rack,
+        "pool": pool,
+        "state": state,
+        "gpu_model": gpu_model,
+        "deployment": deployment,
+        "health": health,
+    }
     return page(
         request,
         "servers.html",
@@ -412,6 +425,7 @@ def servers_page(
             query=urlencode({k: v for k, v in filters.items() if v}),
             states=[s.value for s in ServerState],
             pools=[x.value for x in Pool],
+            verdicts=[x.value for x in Verdict],
             group=STATE_GROUP,
         ),
     )

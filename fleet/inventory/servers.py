@@ -26,6 +26,7 @@ from fleet.models import (
     ServerPublic,
     ServerUpdate,
     Site,
+    Verdict,
     utcnow,
 )
 from fleet_core.weights import version_key
@@ -128,6 +129,8 @@ class ServerFilter:
     pool: Pool | None = None
     state: ServerState | None = None
     gpu_model: str | None = None
+    deployment: str | None = None  # the deployment it serves (by name)
+    health: Verdict | None = None  # the agent's last verdict
 
 
 def _with_place() -> Any:
@@ -182,6 +185,11 @@ def list_servers(
         conditions.append(Server.state == where.state)
     if where.gpu_model is not None:
         conditions.append(Server.gpu_model == where.gpu_model)
+    if where.health is not None:
+        conditions.append(Server.health_verdict == where.health)
+    if where.deployment is not None:
+        serving = sa.select(col(Deployment.id)).where(col(Deployment.name) == where.deployment)
+        conditions.append(col(Server.deployment_id).in_(serving.scalar_subquery()))
     # Site and rack filters need the joins; the others (and the count) do without them.
     ids = sa.select(col(Server.id), col(Server.name)).select_from(Server)
     if where.site is not None or where.rack is not None:

@@ -273,3 +273,53 @@ def test_the_deployments_page_draws_its_history_and_calendar(fleet: Live, db: En
     assert "Requests a minute (3 h): now 120" in page
     assert "p95 latency against the SLA (3 h): now 3 s" in page and "minutes over" in page
     assert "Calendar: at least 2 replicas from" in page and "Europe/Berlin" in page
+
+
+def test_servers_filter_by_deployment_and_health_in_the_api_and_the_console(
+    fleet: Live, db: Engine
+) -> None:
+    from fleet.models import Deployment
+
+    with Session(db) as s:
+        dep = Deployment(
+            name="chat",
+            model_uri="s3://m/x",
+            model_checksum="sha256:1",
+            gpus_per_replica=8,
+            sla_p95_latency_ms=2000,
+            sla_ttft_ms=500,
+        )
+        s.add(dep)
+        s.commit()
+        one = s.exec(select(Server).where(Server.name == "gpu-01")).one()
+        one.deployment_id, one.health_verdict = dep.id, "degraded"
+        s.add(one)
+        s.commit()
+    api = fleet.client(fleet.token(Role.VIEWER, name="api"))
+    by_dep = api.get("/api/v1/servers", params={"deployment": "chat"}).json()
+    assert [r["name"] for r in by_dep["results"]] == ["gpu-01"]
+    assert api.get("/api/v1/servers", params={"deployment": "nope"}).json()["count"] == 0
+    by_health = api.get("/api/v1/servers", params={"health": "degraded"}).json()
+    assert [r["name"] for r in by_health["results"]] == ["gpu-01"]
+    assert api.get("/api/v1/servers", params={"health": "sick"}).status_code == 422
+    client = sign_in(fleet, Role.VIEWER)
+    page = client.get("/ui/servers", params={"deployment": "chat", "health": "degraded"})
+    assert "1 match" in page.text and "gpu-01" in page.text
+    assert client.get("/ui/servers", params={"health": "sick"}).status_code == 400
+
+
+def test_a_power_action_goes_through_the_fleets_power_path_and_says_how_it_went(
+    fleet: Live,
+) -> None:
+    operator = sign_in(fleet, Role.OPERATOR)
+    form = {
+        "action": "power_on",
+        "reason": "console test",
+        "confirm": "yes",
+        "csrf": csrf(operator.get("/ui/servers/gpu-02").text),
+    }
+    # No BMC listens at the server's endpoint here: the fleet's power path says so.
+    done = operator.post("/ui/servers/gpu-02/action", data=form)
+    assert done.status_code == 303
+    shown = operator.get(done.headers["location"]).text
+    assert "Power on: failed:" in shown and "gpu-02" in shown

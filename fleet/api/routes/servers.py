@@ -18,6 +18,7 @@ from fleet.models import (
     ServerPublic,
     ServerUpdate,
     TransitionRequest,
+    Verdict,
 )
 
 router = APIRouter(tags=["servers"])
@@ -33,8 +34,18 @@ def servers(
     pool: Pool | None = None,
     state: ServerState | None = None,
     gpu_model: str | None = None,
+    deployment: str | None = None,
+    health: Verdict | None = None,
 ) -> Page[ServerPublic]:
-    where = ServerFilter(site=site, rack=rack, pool=pool, state=state, gpu_model=gpu_model)
+    where = ServerFilter(
+        site=site,
+        rack=rack,
+        pool=pool,
+        state=state,
+        gpu_model=gpu_model,
+        deployment=deployment,
+        health=health,
+    )
     count, results = list_servers(session, where, paging.limit, paging.offset)
     return paging.page(count, results)
 
