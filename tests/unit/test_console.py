@@ -278,7 +278,7 @@ def test_the_deployments_page_draws_its_history_and_calendar(fleet: Live, db: En
 def test_servers_filter_by_deployment_and_health_in_the_api_and_the_console(
     fleet: Live, db: Engine
 ) -> None:
-    from fleet.models import Deployment
+    from fleet.models import Deployment, Verdict
 
     with Session(db) as s:
         dep = Deployment(
@@ -292,7 +292,7 @@ def test_servers_filter_by_deployment_and_health_in_the_api_and_the_console(
         s.add(dep)
         s.commit()
         one = s.exec(select(Server).where(Server.name == "gpu-01")).one()
-        one.deployment_id, one.health_verdict = dep.id, "degraded"
+        one.deployment_id, one.health_verdict = dep.id, Verdict.DEGRADED
         s.add(one)
         s.commit()
     api = fleet.client(fleet.token(Role.VIEWER, name="api"))
