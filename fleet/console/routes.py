@@ -143,7 +143,8 @@ def _login() -> Response:
 
 
 def _refused(request: Request, w: Who | None, why: str, status: int = 403) -> Response:
-    return page(request, "refused.html", {"who": w, "why": why}, status)
+    csrf = w.session.csrf if w is not None else ""
+    return page(request, "refused.html", {"who": w, "why": why, "csrf": csrf}, status)
 
 
 def operator_post(request: Request, csrf: str) -> Who | Response:
