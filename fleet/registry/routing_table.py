@@ -23,6 +23,7 @@ from fleet.models import (
     Int,
     ModelVersion,
     Number,
+    OptInt,
     OptNumber,
     RouterReport,
     RouterUsage,
@@ -181,8 +182,8 @@ class DeploymentLoad(BaseModel):
     # Requests (and their prompt + expected output tokens) that arrived since the router
     # started, refused ones included: counters whose differences are the demand history
     # (fleet/autoscaler/demand.py). Optional: an older router sends none.
-    arrived: Int | None = Field(default=None, ge=0, le=MAX_COUNT, strict=False)
-    arrived_tokens: Int | None = Field(default=None, ge=0, le=MAX_COUNT, strict=False)
+    arrived: OptInt = Field(default=None, ge=0, le=MAX_COUNT, strict=False)
+    arrived_tokens: OptInt = Field(default=None, ge=0, le=MAX_COUNT, strict=False)
 
 
 # Client keys in one report's usage (a router reports the keys it admitted in its window) and
