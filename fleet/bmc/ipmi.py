@@ -68,6 +68,8 @@ from fleet.bmc.base import (
 from fleet.bmc.retry import with_retries
 from fleet.models import PowerState
 
+LOGIN_ATTEMPTS = 3  # pyghmi's login race (see IpmiDriver._login)
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -445,7 +447,7 @@ class IpmiDriver(PowerDriver):
         return cmd, False
 
     def _login(self) -> Any:
-        for attempt in range(2):
+        for attempt in range(LOGIN_ATTEMPTS):
             try:
                 return pyghmi_command.Command(
                     bmc=self.target.address,
@@ -456,8 +458,9 @@ class IpmiDriver(PowerDriver):
             except AttributeError as exc:
                 # pyghmi 1.6 can mark a failing login broken before it stores the reason, then
                 # trip over its own missing `errormsg`. A login sends no power command, so
-                # logging in once more is safe, and tells the real cause.
-                if "errormsg" not in str(exc) or attempt == 1:
+                # logging in again is safe, and tells the real cause. Under load it has
+                # tripped twice in a row (CI, a wrong password): three tries in all.
+                if "errormsg" not in str(exc) or attempt == LOGIN_ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -635,16 +635,17 @@ def test_error_mapping(
     assert_one_line_naming(caught.value, target)
 
 
-def test_pyghmi_login_race_is_retried_once_and_the_real_cause_reported(
+def test_pyghmi_login_race_is_retried_and_the_real_cause_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """pyghmi 1.6 sometimes fails a bad login with AttributeError ('errormsg', its own bug):
-    the driver logs in once more and reports what the BMC really said."""
+    """pyghmi 1.6 sometimes fails a bad login with AttributeError ('errormsg', its own bug),
+    twice in a row under load: the driver logs in again (three tries in all) and reports what
+    the BMC really said."""
     attempts: list[int] = []
 
     def flaky_login(**_: Any) -> Any:
         attempts.append(1)
-        if len(attempts) == 1:
+        if len(attempts) <= 2:
             raise AttributeError("'Session' object has no attribute 'errormsg'")
         raise pyghmi_exc.IpmiException("Incorrect password provided")
 
@@ -652,5 +653,5 @@ def test_pyghmi_login_race_is_retried_once_and_the_real_cause_reported(
     target = down_target("gpu-race")
     with pytest.raises(BmcAuthFailed) as caught, IpmiDriver(target) as driver:
         driver.power_state()
-    assert len(attempts) == 2
+    assert len(attempts) == 3
     assert_one_line_naming(caught.value, target)

@@ -169,6 +169,14 @@ def test_the_racks_page_matches_fleetctl_racks(world: World, chromium: Any) -> N
         for field in ("budget_w", "committed_w", "headroom_w"):
             text = card.locator(f"dd[data-field='{field}']").inner_text()
             assert text == f"{rack[field]:,.0f} W", (name, field, text, rack[field])
+        # Drawn power moves with every reading: the same figure within what a few seconds
+        # between the two reads may change (none at all when neither has a reading).
+        drawn = card.locator("dd[data-field='drawn_w']").inner_text()
+        if rack["drawn_w"] is None:
+            assert drawn == "–", (name, drawn)
+        else:
+            shown_w = float(drawn.removesuffix(" W").replace(",", ""))
+            assert abs(shown_w - rack["drawn_w"]) <= max(0.1 * rack["drawn_w"], 100), drawn
     page.screenshot(path=str(shots() / "racks.png"), full_page=True)
     page.context.close()
 
