@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from fleet.console.elevation import Box, elevation, power_bars
-from fleet.models import Event, Role, Server
+from fleet.models import Deployment, Event, Role, Server
 
 # ---------------------------------------------------------------------------------------------
 # plain data
@@ -228,23 +228,29 @@ def test_a_chart_breaks_at_missing_minutes_and_counts_minutes_over_its_limit() -
     assert empty.lines == [] and empty.last is None and empty.top == 1.25
 
 
+def chat(s: Session) -> Deployment:
+    """A deployment `chat` (SLA p95 2 s, TTFT 0.5 s), committed."""
+    dep = Deployment(
+        name="chat",
+        model_uri="s3://m/x",
+        model_checksum="sha256:1",
+        gpus_per_replica=8,
+        sla_p95_latency_ms=2000,
+        sla_ttft_ms=500,
+    )
+    s.add(dep)
+    s.commit()
+    return dep
+
+
 def test_the_deployments_page_draws_its_history_and_calendar(fleet: Live, db: Engine) -> None:
     from datetime import UTC, datetime
 
     from fleet.autoscaler import demand
-    from fleet.models import DemandHour, Deployment, ScheduleEntry
+    from fleet.models import DemandHour, ScheduleEntry
 
     with Session(db) as s:
-        dep = Deployment(
-            name="chat",
-            model_uri="s3://m/x",
-            model_checksum="sha256:1",
-            gpus_per_replica=8,
-            sla_p95_latency_ms=2000,
-            sla_ttft_ms=500,
-        )
-        s.add(dep)
-        s.commit()
+        dep = chat(s)
         hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
         s.add(
             DemandHour(
@@ -278,19 +284,10 @@ def test_the_deployments_page_draws_its_history_and_calendar(fleet: Live, db: En
 def test_servers_filter_by_deployment_and_health_in_the_api_and_the_console(
     fleet: Live, db: Engine
 ) -> None:
-    from fleet.models import Deployment, Verdict
+    from fleet.models import Verdict
 
     with Session(db) as s:
-        dep = Deployment(
-            name="chat",
-            model_uri="s3://m/x",
-            model_checksum="sha256:1",
-            gpus_per_replica=8,
-            sla_p95_latency_ms=2000,
-            sla_ttft_ms=500,
-        )
-        s.add(dep)
-        s.commit()
+        dep = chat(s)
         one = s.exec(select(Server).where(Server.name == "gpu-01")).one()
         one.deployment_id, one.health_verdict = dep.id, Verdict.DEGRADED
         s.add(one)
