@@ -113,3 +113,26 @@ def test_the_week_acceptance_predictive_beats_reactive_within_the_budget() -> No
     assert predictive.gpu_hours <= 1.05 * reactive.gpu_hours
     assert predictive.forecast_ticks > 0  # the forecast did act
     assert peak.attainment >= predictive.attainment
+
+
+def test_fleetctl_simulate_runs_a_week_scenario_and_refuses_charts(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fleet import cli
+
+    path = tmp_path / "week.yaml"
+    path.write_text(
+        "kind: week\nname: tiny\ngpus: 80\ndays: 1\nhistory_days: 0\n"
+        "sla: {latency_s: 20, ttft_s: 2}\n"
+        "autoscale: {min_replicas: 1, max_replicas: 10, boot_s: 900}\n"
+        "calibration: {engines: 1, duration_s: 120}\n"
+    )
+    runner = CliRunner()
+    shown = runner.invoke(cli.app, ["simulate", str(path), "--compare", "reactive,peak"])
+    assert shown.exit_code == 0, shown.output
+    assert "tiny: 10 servers of 8 × H100 (80 GPUs)" in shown.output
+    assert "| reactive |" in shown.output and "| peak | 100.00% |" in shown.output
+    refused = runner.invoke(cli.app, ["simulate", str(path), "--charts", str(tmp_path / "c")])
+    assert refused.exit_code != 0 and "--charts" in refused.output
+    bad = runner.invoke(cli.app, ["simulate", str(path), "--compare", "psychic"])
+    assert bad.exit_code != 0 and "unknown variant 'psychic'" in bad.output
