@@ -185,11 +185,11 @@ def prune(session: Session, before: datetime) -> None:
     session.execute(sa.delete(DemandHour).where(col(DemandHour.hour) < before))
 
 
-def read(
-    session: Session, deployment: str, since: datetime
+def _minutes(
+    session: Session, deployment: str, since: datetime, a: str, b: str, c: str
 ) -> list[tuple[float, float, float, float]]:
-    """The deployment's minutes since `since`: (minute, requests, servers, slot use), in
-    order; NaN where not seen."""
+    """The deployment's minutes since `since`, in order: (minute, series a, b, c), each a
+    `DemandHour` column; NaN where not seen."""
     rows = session.exec(
         select(DemandHour)
         .where(DemandHour.deployment == deployment, DemandHour.hour >= since)
@@ -198,30 +198,26 @@ def read(
     out = []
     for row in rows:
         start = row.hour.timestamp()
-        for i, (r, s, u) in enumerate(
-            zip(unpack(row.requests), unpack(row.servers), unpack(row.slot_use), strict=True)
-        ):
-            out.append((start + 60.0 * i, r, s, u))
+        series = zip(
+            unpack(getattr(row, a)), unpack(getattr(row, b)), unpack(getattr(row, c)), strict=True
+        )
+        for i, (x, y, z) in enumerate(series):
+            out.append((start + 60.0 * i, x, y, z))
     return out
+
+
+def read(
+    session: Session, deployment: str, since: datetime
+) -> list[tuple[float, float, float, float]]:
+    """(minute, requests, servers, slot use) since `since`: what the forecast learns from."""
+    return _minutes(session, deployment, since, "requests", "servers", "slot_use")
 
 
 def read_recent(
     session: Session, deployment: str, since: datetime
 ) -> list[tuple[float, float, float, float]]:
-    """The deployment's minutes since `since` for a chart: (minute, requests, p95, TTFT p95);
-    NaN where not seen (the console's deployments page)."""
-    rows = session.exec(
-        select(DemandHour)
-        .where(DemandHour.deployment == deployment, DemandHour.hour >= since)
-        .order_by(col(DemandHour.hour))
-    )
-    out = []
-    for row in rows:
-        start = row.hour.timestamp()
-        series = zip(unpack(row.requests), unpack(row.p95_s), unpack(row.ttft_p95_s), strict=True)
-        for i, (r, p, t) in enumerate(series):
-            out.append((start + 60.0 * i, r, p, t))
-    return out
+    """(minute, requests, p95, TTFT p95) since `since`: the console's deployment charts."""
+    return _minutes(session, deployment, since, "requests", "p95_s", "ttft_p95_s")
 
 
 @dataclass
