@@ -57,6 +57,7 @@ from fleet.models import (
     Verdict,
 )
 from fleet.power.actions import power
+from fleet.provisioning import operator_moves
 from fleet.provisioning.autopilot import get_autopilot, set_paused
 from fleet.settings import Settings
 
@@ -81,14 +82,17 @@ SECURITY_HEADERS = {
 # Operator actions on a server: the label, and what the fleet does.
 ACTIONS = {
     "drain": "Drain",
+    "undrain": "Undrain",
     "maintenance": "Maintenance",
     "release": "Release to enrolled",
     "power_on": "Power on",
     "power_off": "Power off",
     "power_cycle": "Power cycle",
 }
+# drain and undrain are the API's own moves (a drain the operator must undrain; the tick
+# woken); the others are plain transitions, as `POST /servers/{name}/transition` makes them.
+_DRAINS = {"drain": operator_moves.operator_drain, "undrain": operator_moves.operator_undrain}
 _MOVES = {
-    "drain": ServerState.DRAINING,
     "maintenance": ServerState.MAINTENANCE,
     "release": ServerState.ENROLLED,
 }
@@ -511,7 +515,11 @@ def server_action(
         return _refused(request, w, "Give a reason: it goes into the server's events.", 400)
     actor = w.principal.actor
     try:
-        if action in _MOVES:
+        if action in _DRAINS:
+            with Session(_engine(request)) as session:
+                _DRAINS[action](session, name, actor, f"console: {why}")
+            said = f"{ACTIONS[action]}: done"
+        elif action in _MOVES:
             with Session(_engine(request)) as session:
                 lifecycle.transition(session, name, _MOVES[action], actor, f"console: {why}")
             said = f"{ACTIONS[action]}: done"

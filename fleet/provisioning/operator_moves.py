@@ -14,7 +14,7 @@ from fleet.control import wakeups
 from fleet.errors import ConflictError, NotFoundError
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Rack, Server, Site, utcnow
+from fleet.models import Deployment, Event, Rack, Server, Site, utcnow
 from fleet.power.racks import commit_watts
 from fleet.provisioning import placement
 from fleet.provisioning.boots import rack_rooms, start_boot
@@ -87,11 +87,19 @@ def _view(server: Server) -> dict[str, object]:
     return {"server": server.name, "state": server.state.value, "drain_reason": server.drain_reason}
 
 
-def operator_drain(session: Session, name: str, actor: str) -> dict[str, object]:
+def _said(what: str, why: str | None) -> str:
+    return f"{what}: {why}" if why else what
+
+
+def operator_drain(
+    session: Session, name: str, actor: str, why: str | None = None
+) -> dict[str, object]:
+    """Serving → draining, to wait drained for the operator (`why`: their reason, recorded)."""
     [server] = servers_named(session, [name])
     if server.state != S.SERVING:
         raise ConflictError(f"server {name} is {server.state.value}: only a serving server drains")
-    lifecycle.transition(session, server, S.DRAINING, actor, "drained by an operator", commit=False)
+    said = _said("drained by an operator", why)
+    lifecycle.transition(session, server, S.DRAINING, actor, said, commit=False)
     server.drain_reason, server.drain_started_at = "operator", utcnow()
     session.add(server)
     wakeups.request(session)
@@ -99,11 +107,26 @@ def operator_drain(session: Session, name: str, actor: str) -> dict[str, object]
     return _view(server)
 
 
-def operator_undrain(session: Session, name: str, actor: str) -> dict[str, object]:
+def operator_undrain(
+    session: Session, name: str, actor: str, why: str | None = None
+) -> dict[str, object]:
+    """Back to loading: now from drained, once drained from draining; either way an Event
+    saying who and why."""
     [server] = servers_named(session, [name])
     if server.state == S.DRAINING:
         server.drain_reason = "resume"  # once drained, it loads again
         session.add(server)
+        session.add(
+            Event(
+                at=utcnow(),
+                subject_type="server",
+                subject=server.name,
+                actor=actor,
+                kind="server.undrain",
+                message=_said("undrained by an operator: loads again once drained", why)[:2000],
+                details={},
+            )
+        )
         wakeups.request(session)
         session.commit()
         return _view(server)
@@ -114,6 +137,6 @@ def operator_undrain(session: Session, name: str, actor: str) -> dict[str, objec
             + ": undrain applies to a server an operator drained"
         )
     deployment = session.get(Deployment, server.deployment_id) if server.deployment_id else None
-    start_boot(session, server, deployment, "resume", actor, "undrained by an operator")
+    start_boot(session, server, deployment, "resume", actor, _said("undrained by an operator", why))
     session.commit()
     return _view(server)

@@ -173,6 +173,35 @@ def test_a_viewer_sees_no_action_and_a_forged_post_is_refused(fleet: Live, db: E
     assert "fans &lt;b&gt;loud&lt;/b&gt;" in shown and "fans <b>" not in shown
 
 
+def test_an_operator_undrains_what_they_drained_and_a_move_that_cannot_be_is_said(
+    fleet: Live, db: Engine
+) -> None:
+    operator = sign_in(fleet, Role.OPERATOR)
+    form = {"reason": "bad cable", "confirm": "yes", "csrf": csrf(operator.get("/ui/racks").text)}
+
+    def act(server: str, action: str) -> httpx.Response:
+        return operator.post(f"/ui/servers/{server}/action", data={**form, "action": action})
+
+    assert act("gpu-01", "drain").status_code == 303
+    with Session(db) as s:
+        drained = s.exec(select(Server).where(Server.name == "gpu-01")).one()
+    # The API's drain: one the operator undrains (not the fleet's own), the tick woken.
+    assert (drained.state, drained.drain_reason) == ("draining", "operator")
+    undone = act("gpu-01", "undrain")
+    assert undone.status_code == 303 and "Undrain" in undone.headers["location"]
+    with Session(db) as s:
+        again = s.exec(select(Server).where(Server.name == "gpu-01")).one()
+        event = s.exec(select(Event).where(Event.subject == "gpu-01")).all()[-1]
+    assert again.drain_reason == "resume"  # loads again once drained
+    assert event.kind == "server.undrain" and "console: bad cable" in event.message
+    # A warm spare neither drains nor undrains: 409, saying why, nothing changed.
+    for action in ("drain", "undrain"):
+        refused = act("gpu-02", action)
+        assert refused.status_code == 409 and "gpu-02 is warm" in refused.text
+    with Session(db) as s:
+        assert s.exec(select(Server).where(Server.name == "gpu-02")).one().state == "warm"
+
+
 def test_lists_page_and_filter_in_the_database(fleet: Live) -> None:
     client = sign_in(fleet, Role.VIEWER)
     page = client.get("/ui/servers", params={"state": "warm"})
