@@ -77,6 +77,7 @@ from fleet_core.engines import spec as engine_spec
 # the agent's reports); the server and GPU rows store them.
 from fleet_core.fault_policy import Verdict as Verdict
 from fleet_core.wire import GpuHealth as GpuHealth
+from fleet_core.wire import GpuReading
 
 
 def utcnow() -> datetime:
@@ -401,6 +402,10 @@ class Server(ServerBase, table=True):
     agent_ready: bool | None = None
     agent_draining: bool = Field(default=False, sa_column_kwargs={"server_default": sa.false()})
     replicas: list[dict[str, Any]] = _json(list)
+    # Each GPU's measurements as of the last heartbeat (fleet_core.wire.GpuReading: temperature,
+    # power, memory, ECC, remapped rows, recent Xids), replaced by every report; the API shows
+    # them with the GPU rows (GpuPublic.reading).
+    gpu_telemetry: list[dict[str, Any]] = _json(list)
     # Provisioning (fleet/provisioning/tick.py): how the current boot goes ("power_on",
     # "cycle",
     # "resume"), when it began, the write-ahead marks of power commands (committed before the
@@ -616,6 +621,8 @@ class Gpu(GpuBase, table=True):
 
 class GpuPublic(GpuBase):
     server: str
+    # Its measurements as of the server's last heartbeat (None: no agent has reported it).
+    reading: GpuReading | None = None
 
 
 class GpuModelSpec(SQLModel, table=True):

@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -49,6 +49,7 @@ from fleet_core.fault_policy import Assessment, RepairAction, Verdict, assess
 from fleet_core.telemetry import GpuSample, GpuTelemetry, Snapshot, XidEvent
 from fleet_core.wire import (
     MAX_REASONS,
+    MAX_XIDS,
     Assignment,
     GpuFound,
     GpuHealth,
@@ -445,6 +446,7 @@ class Agent:
         snapshot = self.latest()
         with self._lock:
             assessment = self.assessment
+            xids = _xids_by_gpu(self.history)
         reasons = assessment.reasons if assessment else ()
         return Heartbeat(
             server=self.settings.server,
@@ -460,7 +462,10 @@ class Agent:
                 )
                 for r in reasons[:MAX_REASONS]
             ],
-            gpus=[_gpu_status(g, assessment) for g in (snapshot.gpus if snapshot else ())],
+            gpus=[
+                _gpu_status(g, assessment, xids.get(g.index, ()))
+                for g in (snapshot.gpus if snapshot else ())
+            ],
             snapshot_at=datetime.fromtimestamp(snapshot.at, UTC) if snapshot else None,
             draining=self.draining,
             ready=self.ready,
@@ -608,7 +613,20 @@ def _seen(event: XidEvent, known: tuple[XidEvent, ...]) -> bool:
     )
 
 
-def _gpu_status(gpu: GpuSample, assessment: Assessment | None) -> GpuStatus:
+def _xids_by_gpu(history: Iterable[Snapshot]) -> dict[int, tuple[int, ...]]:
+    """The distinct Xid codes each GPU saw in the snapshots kept (the fault policy's window),
+    ascending; an Xid no GPU could be named for is in the reasons only."""
+    seen: dict[int, set[int]] = {}
+    for snapshot in history:
+        for event in snapshot.xids:
+            if event.gpu_index is not None:
+                seen.setdefault(event.gpu_index, set()).add(event.xid)
+    return {index: tuple(sorted(codes)[:MAX_XIDS]) for index, codes in seen.items()}
+
+
+def _gpu_status(
+    gpu: GpuSample, assessment: Assessment | None, xids: Sequence[int] = ()
+) -> GpuStatus:
     health = GpuHealth.UNKNOWN
     if assessment is not None:
         verdicts = {r.verdict for r in assessment.reasons if r.gpu == gpu.index}
@@ -625,11 +643,19 @@ def _gpu_status(gpu: GpuSample, assessment: Assessment | None) -> GpuStatus:
         health=health,
         lost=gpu.lost,
         temperature_c=gpu.temperature_c,
+        slowdown_temp_c=gpu.slowdown_temp_c,
         memory_used_mib=gpu.memory_used_mib,
         memory_total_mib=gpu.memory_total_mib,
         utilization_pct=gpu.utilization_pct,
         power_w=gpu.power_w,
         power_limit_w=gpu.power_limit_w,
+        ecc_uncorrected_volatile=gpu.ecc_uncorrected_volatile,
+        remapped_rows_correctable=gpu.remapped_rows_correctable,
+        remapped_rows_uncorrectable=gpu.remapped_rows_uncorrectable,
+        remap_pending=gpu.remap_pending,
+        remap_failed=gpu.remap_failed,
+        clock_events=gpu.clock_events,
+        xids=list(xids),
     )
 
 

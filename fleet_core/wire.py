@@ -68,17 +68,38 @@ class Registration(_Strict):
         return body
 
 
-class GpuStatus(_Strict):
+MAX_XIDS = 16  # distinct Xid codes a GPU reports at once (more is one bad GPU: 16 say so)
+
+
+class GpuReading(_Strict):
+    """One GPU's measurements as of a heartbeat (NVML or DCGM through the agent's backend,
+    fleet_core/telemetry.py): what the fleet stores per server and its console shows. None: the
+    backend could not read it, never a made-up zero."""
+
     index: int = Field(ge=0, le=MAX_GPUS - 1)
-    uuid: str | None = Field(default=None, max_length=64)
-    health: GpuHealth = GpuHealth.UNKNOWN
     lost: bool = False
     temperature_c: float | None = None
+    slowdown_temp_c: float | None = None  # where the GPU starts to slow itself down
     memory_used_mib: int | None = Field(default=None, ge=0)
     memory_total_mib: int | None = Field(default=None, ge=0)
     utilization_pct: float | None = Field(default=None, ge=0, le=100)
     power_w: float | None = Field(default=None, ge=0)
     power_limit_w: float | None = Field(default=None, ge=0)  # the enforced limit
+    ecc_uncorrected_volatile: int | None = Field(default=None, ge=0)  # since the driver loaded
+    remapped_rows_correctable: int | None = Field(default=None, ge=0)
+    remapped_rows_uncorrectable: int | None = Field(default=None, ge=0)
+    remap_pending: bool | None = None
+    remap_failed: bool | None = None
+    clock_events: int | None = Field(default=None, ge=0)  # NVML clocks-event reason bits
+    # The Xid codes seen on this GPU within the agent's fault-policy window, ascending.
+    xids: list[int] = Field(default_factory=list, max_length=MAX_XIDS)
+
+
+class GpuStatus(GpuReading):
+    """A GPU in a heartbeat: its measurements, its uuid and the agent's verdict on it."""
+
+    uuid: str | None = Field(default=None, max_length=64)
+    health: GpuHealth = GpuHealth.UNKNOWN
 
 
 class HealthReason(_Strict):

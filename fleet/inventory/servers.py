@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from pydantic import ValidationError
 from sqlmodel import Session, col, select
 
 from fleet.catalog.refs import server_version_id
@@ -30,6 +32,7 @@ from fleet.models import (
     utcnow,
 )
 from fleet_core.weights import version_key
+from fleet_core.wire import GpuReading
 
 # ---------------------------------------------------------------------------------------------
 # BMC credentials stay with the BMC they were given for (docs/design.md)
@@ -163,7 +166,10 @@ def _public(
     site: str,
     deployment: Deployment | None,
 ) -> ServerPublic:
-    data = server.model_dump(exclude={"bmc_password_encrypted", "id", "rack_id", "deployment_id"})
+    # The GPUs' readings are shown with the GPUs (list_gpus), not on every server of a list.
+    data = server.model_dump(
+        exclude={"bmc_password_encrypted", "id", "rack_id", "deployment_id", "gpu_telemetry"}
+    )
     version = server_version_id(server, deployment)
     return ServerPublic(
         **data,
@@ -222,7 +228,11 @@ def get_server(session: Session, name: str) -> ServerPublic:
 def list_gpus(
     session: Session, server: str | None, limit: int, offset: int
 ) -> tuple[int, list[GpuPublic]]:
-    query = select(Gpu, Server.name).select_from(Gpu).join(Server, col(Server.id) == Gpu.server_id)
+    query = (
+        select(Gpu, Server.name, Server.gpu_telemetry)
+        .select_from(Gpu)
+        .join(Server, col(Server.id) == Gpu.server_id)
+    )
     if server is not None:
         if session.exec(select(Server.id).where(Server.name == server)).first() is None:
             raise NotFoundError(f"no server named {server!r}")
@@ -236,8 +246,25 @@ def list_gpus(
         query.order_by(col(Server.name), col(Gpu.index)).limit(limit).offset(offset)
     )
     return count, [
-        GpuPublic(**g.model_dump(exclude={"id", "server_id"}), server=s) for g, s in rows
+        GpuPublic(
+            **g.model_dump(exclude={"id", "server_id"}),
+            server=s,
+            reading=_reading(readings, g.index),
+        )
+        for g, s, readings in rows
     ]
+
+
+def _reading(readings: Sequence[Any] | None, index: int) -> GpuReading | None:
+    """GPU `index`'s reading in its server's last heartbeat; None when it had none, or one
+    this fleet cannot read (stored by another version: left out, not an error)."""
+    for reading in readings or ():
+        if isinstance(reading, dict) and reading.get("index") == index:
+            try:
+                return GpuReading.model_validate(reading)
+            except ValidationError:
+                return None
+    return None
 
 
 def _check_endpoint_free(session: Session, server: Server) -> None:

@@ -380,6 +380,7 @@ def heartbeat(
     server.agent_ready = report.ready
     server.agent_draining = report.draining
     server.replicas = replicas
+    server.gpu_telemetry = gpu_readings(report.gpus)
     # The agent's estimate of the draw where the BMC gives none (fleet/power/measure.py): on
     # the row this report writes anyway, so it costs no extra write.
     fresh_s = drawn_fresh if drawn_fresh is not None else drawn_fresh_s(get_settings())
@@ -417,6 +418,16 @@ def heartbeat(
     if kept is not None:
         kept()
     return reply
+
+
+def gpu_readings(gpus: Sequence[wire.GpuStatus]) -> list[dict[str, Any]]:
+    """A heartbeat's GPU measurements as the server row keeps them (`Server.gpu_telemetry`):
+    each GPU's reading without its uuid and verdict (the GPU rows hold those), unread fields
+    left out."""
+    return [g.model_dump(mode="json", exclude=_NOT_READINGS, exclude_none=True) for g in gpus]
+
+
+_NOT_READINGS = set(wire.GpuStatus.model_fields) - set(wire.GpuReading.model_fields)
 
 
 def _decided_on(server: Server) -> tuple[object, ...]:

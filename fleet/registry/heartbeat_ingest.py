@@ -16,7 +16,8 @@ How, on Postgres (SQLite keeps the full path for every report):
    checked with one statement on this module's own asynchronous connection (no worker
    thread): the token still valid (not revoked, not expired) and both rows still at the kept
    versions. Then it is answered with the kept answer at once, and its measurements (time,
-   replicas, the draw estimate, the cache's free bytes) wait for the next batch.
+   replicas, the GPUs' readings, the draw estimate, the cache's free bytes) wait for the next
+   batch.
 3. Every `flush_s` one UPDATE writes the batch, each row only if still at its kept version;
    it returns the rows' new versions, so the next report stays on the fast path. A row
    changed meanwhile (a state change, another replica's write) is not overwritten: its kept
@@ -56,7 +57,7 @@ from fleet.lifecycle.states import ServerState
 from fleet.models import Role, Server, as_utc, utcnow
 from fleet.power.measure import BMC, ESTIMATE, estimate_w, gpu_idle_w
 from fleet.power.readings import check_watts
-from fleet.registry.agent_reports import Capture
+from fleet.registry.agent_reports import Capture, gpu_readings
 from fleet.registry.heartbeat_steady import steady_key
 from fleet_core.wire import Heartbeat
 from fleet_core.wire import Reply as WireReply
@@ -90,10 +91,11 @@ UPDATE server AS s SET
     drawn_source = CASE WHEN {_ESTIMATED} THEN %(estimate)s ELSE s.drawn_source END,
     drawn_at = CASE WHEN {_ESTIMATED} THEN v.at ELSE s.drawn_at END,
     cache_free_bytes = CASE WHEN v.cached THEN v.free ELSE s.cache_free_bytes END,
-    cache_reported_at = CASE WHEN v.cached THEN v.at ELSE s.cache_reported_at END
+    cache_reported_at = CASE WHEN v.cached THEN v.at ELSE s.cache_reported_at END,
+    gpu_telemetry = v.gpus
 FROM json_to_recordset(%(batch)s::json) AS v(
     id int, version text, at timestamptz, replicas json, watts float8, fresh float8,
-    cached bool, free int8)
+    cached bool, free int8, gpus json)
 WHERE s.id = v.id AND s.xmin = v.version::xid
 RETURNING s.id, s.xmin::text
 """
@@ -134,6 +136,7 @@ class Measurements:
     steady: Steady
     at: datetime
     replicas: list[dict[str, object]]
+    gpus: list[dict[str, object]]  # each GPU's reading (agent_reports.gpu_readings)
     watts: float | None
     cached: bool
     free_bytes: int | None
@@ -410,7 +413,8 @@ class HeartbeatIngest:
 
 def _measurements(steady: Steady, report: Heartbeat, now: datetime) -> Measurements:
     """A steady report's measurements as the full path would store them: the replicas (their
-    URLs already judged: a refused one is dropped, as the kept answer says), the draw estimate
+    URLs already judged: a refused one is dropped, as the kept answer says), the GPUs'
+    readings, the draw estimate
     (record_estimate's rule; the BMC's freshness is the batch's to check), the cache's free
     bytes."""
     replicas = [r.model_dump(mode="json") for r in report.replicas]
@@ -431,6 +435,7 @@ def _measurements(steady: Steady, report: Heartbeat, now: datetime) -> Measureme
         steady=steady,
         at=now,
         replicas=replicas,
+        gpus=gpu_readings(report.gpus),
         watts=watts,
         cached=cache is not None,
         free_bytes=cache.free_bytes if cache is not None else None,
@@ -446,6 +451,7 @@ def _flush_params(batch: Iterable[Measurements]) -> dict[str, object]:
             "version": m.steady.server_version,
             "at": m.at.isoformat(),
             "replicas": m.replicas,
+            "gpus": m.gpus,
             "watts": m.watts,
             "fresh": m.steady.fresh_s,
             "cached": m.cached,

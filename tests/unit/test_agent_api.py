@@ -30,7 +30,7 @@ from fleet_agent.config import AgentSettings
 from fleet_agent.daemon import Agent
 from fleet_agent.fleet_client import FleetClient
 from fleet_agent.local_api import LocalApi
-from fleet_agent.telemetry.simulated import SimulatedTelemetry
+from fleet_agent.telemetry.simulated import Fault, SimulatedTelemetry
 
 API = "/api/v1/agent"
 
@@ -490,3 +490,43 @@ def test_the_quality_probe_presents_the_key_the_agent_registered_with(
     finally:
         api.stop()
         client.close()
+
+
+def test_each_gpus_readings_reach_the_gpu_view(
+    live: Live, servers: list[str], db: Engine
+) -> None:
+    """End to end: the agent's own code reads its (simulated) GPUs with an ECC error, a
+    failed remap and an Xid on GPU 1, and the fleet's GPU view shows those numbers beside
+    the verdict; a GPU no agent has reported has no reading."""
+    token = live.token(Role.AGENT, name="agent-a", server="gpu-a")
+    settings = AgentSettings(
+        server="gpu-a", token=SecretStr(token), fleet_url=live.url, telemetry="simulated"
+    )
+    client = FleetClient(live.url, token, 10.0)
+    telemetry = SimulatedTelemetry("H100", 2, seed=3)
+    agent = Agent(settings, telemetry, client)
+    try:
+        agent.tick()  # registers
+        telemetry.inject(Fault(kind="ecc_uncorrected", gpu=1, count=2))
+        telemetry.inject(Fault(kind="remap_failed", gpu=1))
+        telemetry.inject(Fault(kind="xid", gpu=1, xid=48))
+        agent.tick()
+        agent.next_report_at = 0  # report now: the verdict changed anyway
+        agent.tick()
+        assert agent.registered and agent.last_error is None, agent.last_error
+    finally:
+        client.close()
+    viewer = live.client(live.token(Role.VIEWER, name="v"))
+    gpus = viewer.get("/api/v1/servers/gpu-a/gpus").json()["results"]
+    sick, well = gpus[1], gpus[0]
+    assert sick["health"] == "unhealthy" and well["health"] == "healthy"
+    reading = sick["reading"]
+    assert reading["ecc_uncorrected_volatile"] == 2 and reading["remap_failed"] is True
+    assert reading["remapped_rows_uncorrectable"] == 1 and reading["xids"] == [48]
+    assert reading["temperature_c"] > 0 and reading["memory_total_mib"] > 0
+    assert well["reading"]["xids"] == [] and well["reading"]["ecc_uncorrected_volatile"] == 0
+    assert "uuid" not in reading and "health" not in reading  # those are the GPU row's
+    # The server list stays light: the readings are the GPU view's.
+    assert "gpu_telemetry" not in viewer.get("/api/v1/servers/gpu-a").json()
+    other = viewer.get("/api/v1/servers/gpu-b/gpus").json()["results"]
+    assert [g["reading"] for g in other] == [None, None]

@@ -7,6 +7,7 @@ tested here without a service. The real-browser tests: tests/e2e/worlds/test_con
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from fleet.console.elevation import Box, elevation, power_bars
-from fleet.models import Deployment, Event, Role, Server
+from fleet.models import Deployment, Event, Gpu, Role, Server
 
 # ---------------------------------------------------------------------------------------------
 # plain data
@@ -200,6 +201,75 @@ def test_an_operator_undrains_what_they_drained_and_a_move_that_cannot_be_is_sai
         assert refused.status_code == 409 and "gpu-02 is warm" in refused.text
     with Session(db) as s:
         assert s.exec(select(Server).where(Server.name == "gpu-02")).one().state == "warm"
+
+
+def test_the_server_page_shows_each_gpus_readings_and_refreshes_them(
+    fleet: Live, db: Engine
+) -> None:
+    with Session(db) as s:
+        server = s.exec(select(Server).where(Server.name == "gpu-01")).one()
+        assert server.id is not None
+        for index in range(2):
+            s.add(Gpu(server_id=server.id, index=index, model="H100", memory_mib=81559))
+        s.commit()
+    agent = fleet.client(fleet.token(Role.AGENT, name="agent-1", server="gpu-01"))
+
+    def beat(temperature: float) -> None:
+        sick = {"code": "xid_48", "gpu": 1, "message": "GPU 1: Xid 48 <DBE>"}
+        body = {
+            "server": "gpu-01",
+            "verdict": "unhealthy",
+            "action": "reboot",
+            "reasons": [{**sick, "action": "reboot", "verdict": "unhealthy"}],
+            "gpus": [
+                {
+                    "index": 0,
+                    "health": "healthy",
+                    "temperature_c": temperature,
+                    "slowdown_temp_c": 87.0,
+                    "power_w": 612.4,
+                    "power_limit_w": 700.0,
+                    "memory_used_mib": 71_000,
+                    "memory_total_mib": 81_559,
+                    "utilization_pct": 93.0,
+                    "ecc_uncorrected_volatile": 0,
+                    "remapped_rows_correctable": 0,
+                    "remapped_rows_uncorrectable": 0,
+                },
+                {
+                    "index": 1,
+                    "health": "unhealthy",
+                    "ecc_uncorrected_volatile": 3,
+                    "remapped_rows_uncorrectable": 2,
+                    "remap_failed": True,
+                    "xids": [48, 63],
+                },
+            ],
+        }
+        assert agent.post("/api/v1/agent/heartbeat", json=body).status_code == 200
+
+    beat(64.0)
+    client = sign_in(fleet, Role.VIEWER)
+    page = client.get("/ui/servers/gpu-01").text
+    gpu0 = re.search(r'<tr data-gpu="0">(.*?)</tr>', page, re.S)
+    gpu1 = re.search(r'<tr data-gpu="1">(.*?)</tr>', page, re.S)
+    assert gpu0 is not None and gpu1 is not None
+    assert "64 °C" in gpu0.group(1) and "612 W" in gpu0.group(1) and "69.3 / 80 GiB" in gpu0[1]
+    # GPU 1 read no temperature: a dash, not a zero; its faults in numbers and its reason.
+    assert "–" in gpu1[1] and "0 °C" not in gpu1[1]
+    assert '<td class="num hot">3</td>' in gpu1[1] and "48, 63" in gpu1[1]
+    assert "2 uncorr." in gpu1[1] and "failed" in gpu1[1]
+    assert "Xid 48 &lt;DBE&gt;" in gpu1[1]
+    # The live fragment carries them: a newer reading shows without a reload (on Postgres a
+    # steady report's readings wait for the next batch: a fraction of a second).
+    beat(88.0)
+    deadline = time.monotonic() + 10
+    while "88 °C" not in (fragment := client.get("/ui/servers/gpu-01/live").text):
+        assert time.monotonic() < deadline, "the newer reading never showed"
+        time.sleep(0.05)
+    assert "<html" not in fragment
+    hot = re.search(r'<tr data-gpu="0">(.*?)</tr>', fragment, re.S)
+    assert hot is not None and '<td class="num hot">88 °C' in hot[1]  # past its slowdown
 
 
 def test_lists_page_and_filter_in_the_database(fleet: Live) -> None:

@@ -125,6 +125,9 @@ def test_a_steady_heartbeat_gets_the_full_paths_answer_and_its_measurements_are_
     assert after.last_heartbeat_at > before.last_heartbeat_at
     assert after.drawn_source == "estimate" and after.drawn_w is not None
     assert before.drawn_w is not None and after.drawn_w > before.drawn_w
+    # And each GPU's reading, as the full path stores it.
+    assert [g["temperature_c"] for g in after.gpu_telemetry] == [55.0, 55.0]
+    assert [g["power_w"] for g in before.gpu_telemetry] == [300.0, 300.0]
     # The batch left the row at a version the next report matches: still the fast path.
     post(agent, heartbeat(temperature=56.0))
     assert ingest.stats.fast == fast + 2

@@ -4,7 +4,8 @@ emulators, agents with stand-in engines).
 
 - sign-in through the form; the racks page's figures are `fleetctl racks`'s;
 - a spare booted through the lab changes colour on the racks page without a reload;
-- an operator drains a serving server from its page, and the event shows in the live feed;
+- a serving server's page shows each GPU's readings from its agent's heartbeats; an operator
+  drains it from there, and the event shows in the live feed;
 - a viewer sees no action control, and a form posted without the session's CSRF value is refused;
 - a rack whose committed power passed its budget (an admin's override) is marked;
 - every page passes axe-core (vendored: tests/vendor/) with no critical violation;
@@ -240,6 +241,10 @@ def test_an_operator_drains_from_the_server_page_and_the_feed_shows_it(
     time.sleep(1.5)  # the stream is open
     page = feed.context.new_page()
     page.goto(f"{world.service.url}/ui/servers/{name}")
+    # Its agent's readings (simulated telemetry, through real heartbeats), GPU by GPU.
+    for gpu in range(2):
+        cells = page.locator(f"tr[data-gpu='{gpu}'] td.num").all_inner_texts()
+        assert cells and " °C" in cells[0] and " W" in cells[1], cells
     page.screenshot(path=str(shots() / "server.png"), full_page=True)
     page.select_option("#action", "drain")
     page.fill("#reason", "console e2e: fans loud")
