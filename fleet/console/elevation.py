@@ -86,7 +86,20 @@ class Power:
     committed_pct: float  # of the budget, for the bars (capped at 100 for drawing)
     drawn_pct: float | None
     high_pct: float  # the high-water mark: the cap valve's threshold
-    hot: bool  # drawn at or above the high-water mark, or committed past the budget
+
+    @property
+    def drawing_high(self) -> bool:
+        """Drawn at or above the high-water mark."""
+        return self.drawn_pct is not None and self.drawn_pct >= self.high_pct
+
+    @property
+    def over_budget(self) -> bool:
+        """Committed past the budget (an admin's override)."""
+        return self.committed_w > self.budget_w
+
+    @property
+    def hot(self) -> bool:
+        return self.drawing_high or self.over_budget
 
     @property
     def committed_bar(self) -> float:
@@ -104,5 +117,4 @@ def power_bars(
         return 100.0 * x / budget_w if budget_w > 0 else 0.0
 
     drawn_pct = pct(drawn_w) if drawn_w is not None else None
-    hot = (drawn_pct is not None and drawn_pct >= high_pct) or committed_w > budget_w
-    return Power(budget_w, committed_w, drawn_w, pct(committed_w), drawn_pct, high_pct, hot)
+    return Power(budget_w, committed_w, drawn_w, pct(committed_w), drawn_pct, high_pct)

@@ -492,9 +492,7 @@ def test_the_quality_probe_presents_the_key_the_agent_registered_with(
         client.close()
 
 
-def test_each_gpus_readings_reach_the_gpu_view(
-    live: Live, servers: list[str], db: Engine
-) -> None:
+def test_each_gpus_readings_reach_the_gpu_view(live: Live, servers: list[str], db: Engine) -> None:
     """End to end: the agent's own code reads its (simulated) GPUs with an ECC error, a
     failed remap and an Xid on GPU 1, and the fleet's GPU view shows those numbers beside
     the verdict; a GPU no agent has reported has no reading."""

@@ -54,6 +54,8 @@ def test_a_rack_at_its_high_water_mark_is_hot() -> None:
     hot = power_bars(10_000, 8_000, 9_000, 90.0)
     over = power_bars(10_000, 10_001, None, 90.0)
     assert not cool.hot and hot.hot and over.hot
+    assert (hot.drawing_high, hot.over_budget) == (True, False)
+    assert (over.drawing_high, over.over_budget) == (False, True)
     assert over.committed_bar == 100.0 and over.drawn_pct is None
     assert hot.drawn_pct == pytest.approx(90.0)
 
