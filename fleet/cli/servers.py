@@ -106,6 +106,50 @@ def servers_show(
     show(api_client(url, token).get(f"/api/v1/servers/{name}"), output)
 
 
+GPU_COLUMNS = [
+    ("index", "GPU"),
+    ("model", "model"),
+    ("health", "health"),
+    ("temperature_c", "°C"),
+    ("power_w", "W"),
+    ("memory_used_mib", "used MiB"),
+    ("utilization_pct", "util %"),
+    ("ecc_uncorrected_volatile", "ECC uncorr. #"),
+    ("remapped", "remapped rows"),
+    ("xids", "Xids"),
+]
+
+
+@servers_app.command("gpus")
+@handled
+def servers_gpus(
+    name: str, url: Url = DEFAULT_URL, token: Token = None, output: Out = Output.TABLE
+) -> None:
+    """Each GPU of a server: health, and its readings as of the last heartbeat."""
+    rows = list(api_client(url, token).pages(f"/api/v1/servers/{name}/gpus", None))
+    if output is Output.JSON:
+        show(rows, output)
+        return
+    show([_gpu_row(g) for g in rows], output, GPU_COLUMNS, title=f"{name}: GPUs")
+
+
+def _gpu_row(gpu: dict[str, Any]) -> dict[str, Any]:
+    """A GPU and its reading in one flat row; what the GPU could not give (or no Xid seen)
+    is a dash."""
+    reading = gpu.get("reading") or {}
+    counts = [reading.get(f"remapped_rows_{k}") for k in ("correctable", "uncorrectable")]
+    parts = [] if counts == [None, None] else [f"{counts[0]} corr.", f"{counts[1]} uncorr."]
+    parts += [flag for flag in ("pending", "failed") if reading.get(f"remap_{flag}")]
+    return {
+        **reading,
+        "index": gpu.get("index"),
+        "model": gpu.get("model"),
+        "health": "lost" if reading.get("lost") else gpu.get("health"),
+        "remapped": ", ".join(parts) or None,
+        "xids": ", ".join(str(x) for x in reading.get("xids") or ()) or None,
+    }
+
+
 POWER_COLUMNS = [
     ("server", "server"),
     ("ok", "ok"),

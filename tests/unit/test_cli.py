@@ -673,3 +673,31 @@ def test_simulate_takes_a_bundled_scenario_by_name_and_refuses_an_unknown_one() 
     assert result.exit_code == 1
     [line] = result.stderr.splitlines()
     assert line.startswith("error: no scenario 'no-such-scenario': ") and "racks-faults" in line
+
+
+@sqlite_only
+def test_servers_gpus_shows_each_gpus_readings(fleetctl: Fleetctl, live: Live) -> None:
+    fleetctl.import_demo()
+    name = "fra1-r01-h100-01"
+    agent = live.client(live.token(Role.AGENT, name="cli-agent", server=name))
+    gpus: list[dict[str, Any]] = [
+        {"index": i, "health": "healthy", "temperature_c": 50.0 + i, "power_w": 600.0}
+        for i in range(8)
+    ]
+    gpus[3] |= {
+        "health": "unhealthy",
+        "ecc_uncorrected_volatile": 4,
+        "remapped_rows_correctable": 1,
+        "remapped_rows_uncorrectable": 2,
+        "remap_pending": True,
+        "xids": [48, 94],
+    }
+    body = {"server": name, "verdict": "unhealthy", "action": "reboot", "gpus": gpus}
+    assert agent.post("/api/v1/agent/heartbeat", json=body).status_code == 200
+    rows = table_rows(fleetctl.ok("servers", "gpus", name).stdout)
+    assert rows["3"][1:4] == ["H100", "unhealthy", "53"]
+    assert rows["3"][7:] == ["4", "1 corr., 2 uncorr., pending", "48, 94"]
+    assert rows["0"][2:5] == ["healthy", "50", "600"] and rows["0"][7:] == ["-", "-", "-"]
+    shown = fleetctl.json("servers", "gpus", name)
+    assert shown[3]["reading"]["xids"] == [48, 94] and len(shown) == 8
+    one_line_error(fleetctl("servers", "gpus", "nope"), "no server named 'nope'")
