@@ -27,6 +27,21 @@ def deployment_event(
     )
 
 
+def server_event(
+    name: str, actor: str, kind: str, message: str, details: dict[str, Any] | None = None
+) -> Event:
+    """An Event about a server, now, its message cut to fit."""
+    return Event(
+        at=utcnow(),
+        subject_type="server",
+        subject=name,
+        actor=actor,
+        kind=kind,
+        message=message[:2000],
+        details=details or {},
+    )
+
+
 def set_fields(row: Any, changes: dict[str, Any]) -> list[str]:
     """Set the values in `changes` that differ on `row`; returns the names of those fields."""
     changed = [key for key, value in changes.items() if getattr(row, key) != value]

@@ -12,9 +12,10 @@ from sqlmodel import Session, col, select
 
 from fleet.control import wakeups
 from fleet.errors import ConflictError, NotFoundError
+from fleet.events import server_event
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
-from fleet.models import Deployment, Event, Rack, Server, Site, utcnow
+from fleet.models import Deployment, Rack, Server, Site, utcnow
 from fleet.power.racks import commit_watts
 from fleet.provisioning import placement
 from fleet.provisioning.boots import rack_rooms, start_boot
@@ -116,17 +117,8 @@ def operator_undrain(
     if server.state == S.DRAINING:
         server.drain_reason = "resume"  # once drained, it loads again
         session.add(server)
-        session.add(
-            Event(
-                at=utcnow(),
-                subject_type="server",
-                subject=server.name,
-                actor=actor,
-                kind="server.undrain",
-                message=_said("undrained by an operator: loads again once drained", why)[:2000],
-                details={},
-            )
-        )
+        said = _said("undrained by an operator: loads again once drained", why)
+        session.add(server_event(server.name, actor, "server.undrain", said))
         wakeups.request(session)
         session.commit()
         return _view(server)
