@@ -588,6 +588,7 @@ def _run_every_command(
         cmd(("servers", "list"), "-o", output, "--rack", RACK)
         for name in SERVERS:
             cmd(("servers", "show"), name, "-o", output)
+            cmd(("servers", "gpus"), name, "-o", output)
         cmd(("deployments", "list"), "-o", output)
         cmd(("deployments", "show"), DEPLOYMENT, "-o", output)
         cmd(("events",), "-o", output, "--limit", "1000")
