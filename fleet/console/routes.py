@@ -189,16 +189,25 @@ def _login_form(request: Request, error: str | None, status: int) -> Response:
     token (login CSRF) needs both."""
     value = secrets.token_urlsafe(32)
     reply = page(request, "login.html", {"who": None, "error": error, "csrf": value}, status)
+    _cookie(reply, request, sessions.LOGIN_COOKIE, value, 3600, "/ui/login")
+    return reply
+
+
+def _cookie(
+    reply: Response, request: Request, name: str, value: str, max_age: int, path: str
+) -> None:
+    """Every console cookie, set or cleared (max_age 0) alike: HttpOnly, SameSite=Strict,
+    Secure when the request came over TLS (the service's own, or a proxy on this host saying
+    so in X-Forwarded-Proto)."""
     reply.set_cookie(
-        sessions.LOGIN_COOKIE,
+        name,
         value,
-        max_age=3600,
-        path="/ui/login",
+        max_age=max_age,
+        path=path,
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
     )
-    return reply
 
 
 @router.post("/login")
@@ -218,16 +227,8 @@ def login(
         return _login_form(request, error, 403)
     cookie, _ = sessions.issue(_box(request), token.strip())
     reply = RedirectResponse("/ui/racks", status_code=303)
-    reply.set_cookie(
-        sessions.COOKIE,
-        cookie,
-        max_age=sessions.LIFETIME_S,
-        path="/ui",
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-    )
-    reply.delete_cookie(sessions.LOGIN_COOKIE, path="/ui/login")
+    _cookie(reply, request, sessions.COOKIE, cookie, sessions.LIFETIME_S, "/ui")
+    _cookie(reply, request, sessions.LOGIN_COOKIE, "", 0, "/ui/login")
     return reply
 
 
@@ -237,7 +238,7 @@ def logout(request: Request, csrf: str = Form("")) -> Response:
     if w is not None and not sessions.same_csrf(w.session, csrf):
         return _refused(request, w, "The form's CSRF value is missing or wrong.")
     reply = RedirectResponse("/ui/login", status_code=303)
-    reply.delete_cookie(sessions.COOKIE, path="/ui")
+    _cookie(reply, request, sessions.COOKIE, "", 0, "/ui")
     return reply
 
 

@@ -114,6 +114,28 @@ def test_signing_in_sets_a_cookie_no_script_or_other_site_can_use(fleet: Live) -
     assert out.status_code == 303 and client.get("/ui/racks").status_code == 303
 
 
+def test_behind_a_tls_proxy_on_the_host_the_cookies_are_secure(fleet: Live) -> None:
+    """A TLS-terminating proxy on the same host says https in X-Forwarded-Proto (uvicorn
+    trusts it from 127.0.0.1 and ::1): the cookies are Secure. Plain http: they cannot be."""
+    proxied = browser(fleet)
+    proxied.headers["X-Forwarded-Proto"] = "https"
+    form = proxied.get("/ui/login")
+    assert all("Secure" in c for c in form.headers.get_list("set-cookie"))
+    # The client speaks http to the proxy's upstream: it sends the form's Secure cookie by
+    # hand, as the browser would over https.
+    [pair] = [c.split(";")[0] for c in form.headers.get_list("set-cookie")]
+    proxied.cookies.clear()
+    signed = proxied.post(
+        "/ui/login",
+        data={"token": fleet.token(Role.VIEWER, name="p"), "csrf": csrf(form.text)},
+        headers={"Cookie": pair},
+    )
+    assert signed.status_code == 303, signed.text
+    assert all("Secure" in c for c in signed.headers.get_list("set-cookie")), signed.headers
+    plain = browser(fleet).get("/ui/login")
+    assert not any("Secure" in c for c in plain.headers.get_list("set-cookie"))
+
+
 def test_bad_tokens_and_tokens_of_other_roles_do_not_sign_in(fleet: Live) -> None:
     client = browser(fleet)
     assert login_form(client, "flt_nope").status_code == 401

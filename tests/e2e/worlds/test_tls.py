@@ -313,6 +313,27 @@ def test_fleetctl_verifies_the_service_against_its_ca_bundle(world: World) -> No
         httpx.get(world.fleet_url.replace("https", "http") + "/healthz", timeout=5.0)
 
 
+def test_the_consoles_session_cookie_is_secure_over_tls(world: World) -> None:
+    """Signed in over https, the console's cookie is `Secure` (a browser never sends it over
+    plain http), as well as HttpOnly and SameSite=Strict; the sign-in form's cookie too."""
+    import re
+
+    tls = client_context(world.pki.ca)
+    with httpx.Client(base_url=world.fleet_url, verify=tls, timeout=10.0) as browser:
+        form = browser.get("/ui/login")
+        [form_cookie] = form.headers.get_list("set-cookie")
+        assert "Secure" in form_cookie, form_cookie
+        match = re.search(r'name="csrf" value="([^"]+)"', form.text)
+        assert match is not None
+        signed = browser.post("/ui/login", data={"token": world.admin, "csrf": match[1]})
+        assert signed.status_code == 303, signed.text
+        [session] = [
+            c for c in signed.headers.get_list("set-cookie") if c.startswith("fleet_console=")
+        ]
+        assert "Secure" in session and "HttpOnly" in session and "SameSite=strict" in session
+        assert browser.get("/ui/racks").status_code == 200
+
+
 # ---------------------------------------------------------------------------------------------
 # The agent
 
