@@ -105,11 +105,10 @@ def autoscale_once(
     config = policy_config(settings)
     recorded: list[ScalingDecision] = []
     with Session(engine, expire_on_commit=False) as session:
-        if get_autopilot(session).paused:
-            return []
-        # once a tick, for every deployment
-        boots = measured_boots(session, BootQuantile.of(settings).since(at))
-        world = Spares.read(session, settings)
+        # Paused, the tick still watches (signal windows and the demand history stay whole,
+        # so that a resume decides on the last minutes and the forecast has no hole), and
+        # decides nothing.
+        paused = get_autopilot(session).paused
         routers = fresh_router_loads(session, settings, at)
         counted: dict[str, tuple[float, float]] = {}
         if forecasts is not None:
@@ -121,12 +120,22 @@ def autoscale_once(
             if epoch - forecasts.pruned_at >= 3600:
                 demand.prune(session, at - timedelta(days=settings.demand_history_days))
                 forecasts.pruned_at = epoch
+        if not paused:  # once a tick, for every deployment
+            boots = measured_boots(session, BootQuantile.of(settings).since(at))
+            world = Spares.read(session, settings)
         for deployment in list(session.exec(select(Deployment))):
             servers = list(
                 session.exec(select(Server).where(Server.deployment_id == deployment.id))
             )
             signals = observe(servers, routers.get(deployment.name), settings, at, deployment)
             window = history.add(deployment.name, signals)
+            if paused:
+                if forecasts is not None:
+                    serving = sum(s.state == S.SERVING for s in servers)
+                    _count_demand(
+                        session, settings, forecasts, deployment, serving, signals, counted, at
+                    )
+                continue
             boot = next_boot(session, deployment, world, settings, boots)
             load = routers.get(deployment.name)
             state = _state(
@@ -165,6 +174,36 @@ def _predict(
 ) -> DeploymentState:
     """Count the tick's demand into the history and, with FLEET_FORECAST, put the forecast's
     servers into the state (`decide` takes the larger: fleet/autoscaler/policy.py)."""
+    _count_demand(session, settings, forecasts, deployment, state.serving, signals, counted, at)
+    if not settings.forecast or state.pinned is not None:
+        return state
+    epoch = at.timestamp()
+    name = deployment.name
+    predictor = forecasts.predictor(name)
+    ceiling = policy_config(settings).slot_ceiling
+    if epoch - predictor.fitted_at >= settings.forecast_refit_s and forecasts.may_fit():
+        started = time.perf_counter()
+        predictor.fit(demand.read(session, name, forecasts.history_since(epoch)), epoch, ceiling)
+        forecasts.fit_spent_s += time.perf_counter() - started
+    servers, basis, how = predictor.need(epoch, state.boot_p90_s, ceiling)
+    extra["forecast"] = how
+    if servers is None:
+        return state
+    return replace(state, forecast_servers=servers, forecast_basis=basis)
+
+
+def _count_demand(
+    session: Session,
+    settings: Settings,
+    forecasts: Forecasts,
+    deployment: Deployment,
+    serving: int,
+    signals: Signals,
+    counted: dict[str, tuple[float, float]],
+    at: datetime,
+) -> None:
+    """The tick's demand into the per-minute history; a closed minute written and scored
+    against the forecast made for it (its switching off or on again an Event)."""
     epoch = at.timestamp()
     name = deployment.name
     predictor = forecasts.predictor(name)
@@ -172,7 +211,7 @@ def _predict(
         name,
         epoch,
         counted.get(name),
-        state.serving,
+        serving,
         signals.slot_use,
         signals.p95_latency_s,
         signals.ttft_p95_s,
@@ -194,18 +233,6 @@ def _predict(
                     name, at, ACTOR, f"deployment.forecast_{switched}", message, {"error": error}
                 )
             )
-    if not settings.forecast or state.pinned is not None:
-        return state
-    ceiling = policy_config(settings).slot_ceiling
-    if epoch - predictor.fitted_at >= settings.forecast_refit_s and forecasts.may_fit():
-        started = time.perf_counter()
-        predictor.fit(demand.read(session, name, forecasts.history_since(epoch)), epoch, ceiling)
-        forecasts.fit_spent_s += time.perf_counter() - started
-    servers, basis, how = predictor.need(epoch, state.boot_p90_s, ceiling)
-    extra["forecast"] = how
-    if servers is None:
-        return state
-    return replace(state, forecast_servers=servers, forecast_basis=basis)
 
 
 def fresh_router_loads(session: Session, settings: Settings, at: datetime) -> dict[str, RouterLoad]:

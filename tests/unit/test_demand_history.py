@@ -32,6 +32,7 @@ from fleet.models import (
     ScalingDecision,
     Server,
 )
+from fleet.provisioning.autopilot import set_paused
 from fleet.settings import Settings
 
 MONDAY = datetime(2026, 12, 7, tzinfo=UTC)
@@ -200,6 +201,27 @@ def test_the_tick_writes_each_minute_into_its_hours_row(db: Engine, llama: str) 
         ("09:59", 48.0, 2.0, 0.25),
         ("10:00", 48.0, 2.0, 0.25),
     ]
+
+
+def test_a_paused_autopilot_still_keeps_the_demand_history(db: Engine, llama: str) -> None:
+    """Paused, nothing is decided, but the minutes are counted and written: the forecast gets
+    no hole for an incident's pause, and a resume decides on the last minutes."""
+    forecasts, history = Forecasts.new(), History.new(900)
+    with Session(db) as session:
+        set_paused(session, True, "operator:test", "incident")
+    at = MONDAY + timedelta(hours=14)
+    count = 0
+    for _ in range(3 * 4):  # three minutes of 15-s ticks
+        heartbeat(db, at)
+        router_says(db, at, count)
+        tick(db, at, forecasts, history)
+        at += timedelta(seconds=15)
+        count += 10
+    with Session(db) as session:
+        assert session.exec(select(ScalingDecision)).first() is None  # decided nothing
+        minutes = [r for _, r, _, _ in demand.read(session, llama, MONDAY) if not math.isnan(r)]
+    assert minutes == [30.0, 40.0]  # the first minute counts from the baseline
+    assert len(history.series[llama]) == 12  # the signals kept too
 
 
 def hour_row(
