@@ -30,9 +30,10 @@ from fleet.bmc.bulk import Job, Outcome, Stagger, run_bulk
 from fleet.bmc.targets import target_for
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, NotFoundError
+from fleet.events import server_event
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
-from fleet.models import Event, Pool, PowerState, Rack, Server, as_utc, utcnow
+from fleet.models import Pool, PowerState, Rack, Server, as_utc, utcnow
 from fleet.power import gate
 from fleet.power.gate import Admission, Override
 from fleet.settings import Settings
@@ -100,9 +101,9 @@ def act_on(
     except ServerBusy:
         raise
     except Exception as exc:
-        _record(engine, server, action, None, exc, actor, settings.power_settle_s)
+        _record(engine, server, action, None, exc, actor, settings)
         raise
-    _record(engine, server, action, result, None, actor, settings.power_settle_s)
+    _record(engine, server, action, result, None, actor, settings)
     return result
 
 
@@ -176,22 +177,25 @@ def _record(
     result: ActionResult | PowerState | None,
     error: Exception | None,
     actor: str,
-    settle_s: float,
+    settings: Settings,
 ) -> None:
-    """Observed fields and one Event, in one transaction. A command that went out starts a
-    settle window in which the reconciler leaves the server alone (the BMC may apply it late)."""
+    """Observed fields and an Event, in one transaction. A command that went out starts a
+    settle window in which the reconciler leaves the server alone (the BMC may apply it late).
+    A BMC found unreachable, or answering again, is an Event as the reconciler writes them
+    (`server.bmc_unreachable`, `server.bmc_reachable`), whichever of the two found it."""
     now = utcnow()
     with Session(engine) as session:
         row = session.get(Server, server.id)
         if row is None:  # deleted meanwhile: nothing to record against
             return
+        was_reachable = row.bmc_reachable
         if error is None:
             after = result.state_after if isinstance(result, ActionResult) else result
             assert after is not None
             row.power_state, row.power_state_at, row.bmc_reachable = after, now, True
             row.bmc_failures, row.bmc_checked_at = 0, now
             if isinstance(result, ActionResult) and result.sent:
-                row.power_settle_until = now + timedelta(seconds=settle_s)
+                row.power_settle_until = now + timedelta(seconds=settings.power_settle_s)
             details: dict[str, object] = {"action": action, "power_state": after.value}
             if isinstance(result, ActionResult):
                 details.update(sent=result.sent, before=result.state_before.value)
@@ -202,17 +206,16 @@ def _record(
             details = {"action": action, "error": type(error).__name__}
             kind, message = "server.power_failed", str(error)
         session.add(row)
-        session.add(
-            Event(
-                at=now,
-                subject_type="server",
-                subject=server.name,
-                actor=actor,
-                kind=kind,
-                message=message,
-                details=details,
+        session.add(server_event(row.name, actor, kind, message, details))
+        if was_reachable is False and row.bmc_reachable:
+            back = f"BMC answers again (power {action})"
+            session.add(server_event(row.name, actor, "server.bmc_reachable", back))
+        elif was_reachable is not False and row.bmc_reachable is False:
+            gone = (
+                f"power {action}: the BMC did not answer; the reconciler keeps reading it "
+                "(its next answer is a server.bmc_reachable Event)"
             )
-        )
+            session.add(server_event(row.name, actor, "server.bmc_unreachable", gone))
         session.commit()
 
 

@@ -41,6 +41,7 @@ class ServerView:
     bmc_failures: int = 0
     bmc_checked_at: datetime | None = None
     power_settle_until: datetime | None = None
+    bmc_reachable: bool | None = None  # False: marked unreachable (by reads, or a power action)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +104,13 @@ def due(server: ServerView, now: datetime, policy: SyncPolicy) -> Due:
 def judge_reading(server: ServerView, reading: PowerState, policy: SyncPolicy) -> SyncResult:
     """A successful BMC read."""
     events: list[EventSpec] = []
-    if server.bmc_failures >= policy.failures_to_unreachable:
+    if server.bmc_failures >= policy.failures_to_unreachable or server.bmc_reachable is False:
         events.append(
             EventSpec(
                 "server.bmc_reachable",
-                f"BMC answers again after {server.bmc_failures} failed reads",
+                f"BMC answers again after {server.bmc_failures} failed reads"
+                if server.bmc_failures
+                else "BMC answers again (a power action had found it unreachable)",
                 {"failures": server.bmc_failures},
             )
         )

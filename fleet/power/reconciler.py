@@ -84,6 +84,7 @@ def _view(server: Server) -> ServerView:
         bmc_failures=server.bmc_failures,
         bmc_checked_at=server.bmc_checked_at,
         power_settle_until=server.power_settle_until,
+        bmc_reachable=server.bmc_reachable,
     )
 
 

@@ -579,9 +579,20 @@ def test_every_action_and_outcome_is_an_event_and_the_lifecycle_state_never_move
     assert after["bmc_reachable"] is False
     assert (after["state"], after["state_changed_at"]) == ("maintenance", changed_at)
 
+    # The BMC found unreachable is said once, as the reconciler says it (which then says
+    # when it answers again: tests/unit/test_power_sync.py).
+    [gone] = lab.events("ip-1", "server.bmc_unreachable")
+    assert "status" in gone["message"] and "reconciler keeps reading it" in gone["message"]
+
     # Power never moved the lifecycle: the only transition is the operator's.
     kinds = [e["kind"] for e in lab.events("ip-1")]
-    assert kinds == ["server.enrolled", "server.transition", "server.power", "server.power_failed"]
+    assert kinds == [
+        "server.enrolled",
+        "server.transition",
+        "server.power",
+        "server.power_failed",
+        "server.bmc_unreachable",
+    ]
     assert [e["kind"] for e in lab.events("rf-1")] == ["server.enrolled"] + ["server.power"] * 2
 
 

@@ -115,6 +115,12 @@ def test_a_bmc_that_answers_again_is_recorded() -> None:
     back = judge_reading(view(bmc_failures=5, power=OFF), OFF, POLICY)
     assert [e.kind for e in back.events] == ["server.bmc_reachable"]
     assert back.bmc_failures == 0 and back.bmc_reachable is True
+    # One a power action marked unreachable (no failed read counted) too; a BMC that was
+    # merely unread before is not "back".
+    marked = judge_reading(view(bmc_reachable=False, power=OFF), OFF, POLICY)
+    assert [e.kind for e in marked.events] == ["server.bmc_reachable"]
+    assert "power action" in marked.events[0].message
+    assert judge_reading(view(power=OFF), OFF, POLICY).events == ()
 
 
 def test_standing_mismatch() -> None:
