@@ -87,6 +87,7 @@ def routing_table(
             for replica in server.replicas or []
             if replica.get("url")
         ]
+        off = deployment.max_replicas == 0 and not replicas
         out.append(
             {
                 "deployment": deployment.name,
@@ -108,7 +109,12 @@ def routing_table(
                 "replicas": replicas,
                 # For a deployment with no replica: how long a server takes to boot for it
                 # (the Retry-After of a request that waited for one in vain).
-                "cold_start_s": None if replicas else cold_start_s(session, deployment, settings),
+                "cold_start_s": None
+                if replicas or off
+                else cold_start_s(session, deployment, settings),
+                # Switched off (max replicas 0): nothing will boot for it, so a router
+                # refuses its requests at once instead of holding them for a boot.
+                "off": off,
                 # The router splits requests by version (docs/router.md): `canary_weight` of
                 # them to the canary's replicas, the rest to the stable version's.
                 "versions": {

@@ -96,6 +96,7 @@ class WorkerView:
             pool.priorities = table_priorities(row)
             cold = row.get("cold_start_s")
             pool.cold_start_s = float(cold) if isinstance(cold, int | float) else None
+            pool.off = row.get("off") is True
             limit = int(row.get("max_batch_size") or self.settings.replica_limit)
             current: dict[str, Replica] = {}
             for item in row.get("replicas") or []:

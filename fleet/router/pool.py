@@ -122,6 +122,8 @@ class DeploymentPool:
     # Seconds a server takes to boot for it (the routing table's `cold_start_s`): the
     # Retry-After of a request that waited in vain while the deployment had no replica.
     cold_start_s: float | None = None
+    # Switched off (max replicas 0, no replica left): nothing will boot, so nothing waits.
+    off: bool = False
 
     # -- versions -------------------------------------------------------------------------
 
@@ -202,12 +204,18 @@ class DeploymentPool:
         exclude: frozenset[str] = frozenset(),
         timeout: float,
     ) -> Ticket:
-        # Every replica failed this request: nothing to wait for. A deployment with no replica
-        # at all (scaled to zero, or every server gone) is waited for like a busy one: the
-        # waiting requests are the demand the router reports, on which the autoscaler boots
-        # a server for it at once (fleet/autoscaler/policy.py, "activate").
+        # Every replica failed this request, or the deployment is switched off: nothing to
+        # wait for. A deployment with no replica at all (scaled to zero, or every server
+        # gone) is waited for like a busy one: the waiting requests are the demand the router
+        # reports, on which the autoscaler boots a server for it at once
+        # (fleet/autoscaler/policy.py, "activate").
         if exclude and not any(url not in exclude for url in self.replicas):
             raise NoReplica(f"deployment {self.name!r} has no replica to send to")
+        if self.off and not self.replicas:
+            raise NoReplica(
+                f"deployment {self.name!r} is switched off (max replicas 0): nothing will "
+                "serve it until an operator raises its maximum"
+            )
         # Waiters first: a new request never overtakes one already waiting for the same class.
         if not len(self.queue):
             replica = self._choose(request, exclude)

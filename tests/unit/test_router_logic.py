@@ -273,6 +273,20 @@ def test_a_deployment_at_zero_holds_its_requests_until_a_replica_comes() -> None
     asyncio.run(scenario())
 
 
+def test_a_deployment_switched_off_refuses_at_once_with_no_boot_promised() -> None:
+    """Max replicas 0: nothing will boot for it, so a request neither waits nor is told to
+    come back after a boot."""
+
+    async def scenario() -> None:
+        p = pool(0, limit=4)
+        p.off = True
+        with pytest.raises(NoReplica, match="switched off") as caught:
+            await p.acquire(SMALL, "interactive", timeout=30)  # at once: not after 30 s
+        assert caught.value.retry_after_s is None and len(p.queue) == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
 def test_failures_in_a_row_eject_a_replica_for_a_while() -> None:
     async def scenario() -> None:
         now = [100.0]

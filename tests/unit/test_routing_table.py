@@ -112,3 +112,22 @@ def test_served_name_is_the_checkpoint_directory() -> None:
     assert served_name("s3://bucket/llama-3.1-70b") == "llama-3.1-70b"
     assert served_name("/models/llama/") == "llama"
     assert served_name("meta-llama/Llama-3.1-8B") == "Llama-3.1-8B"
+
+
+def test_a_deployment_switched_off_says_so_and_promises_no_boot(session: Session) -> None:
+    for name, most in (("off", 0), ("cold", 2)):
+        session.add(
+            Deployment(
+                name=name,
+                model_uri=f"s3://models/{name}/",
+                model_checksum="sha256:1",
+                min_replicas=0,
+                max_replicas=most,
+                sla_p95_latency_ms=2000,
+                sla_ttft_ms=500,
+            )
+        )
+    session.commit()
+    rows = {r["deployment"]: r for r in routing_table(session, Settings(boot_estimate_s=600.0))}
+    assert (rows["off"]["off"], rows["off"]["cold_start_s"]) == (True, None)
+    assert (rows["cold"]["off"], rows["cold"]["cold_start_s"]) == (False, 600.0)
