@@ -101,9 +101,9 @@ def act_on(
     except ServerBusy:
         raise
     except Exception as exc:
-        _record(engine, server, action, None, exc, actor, settings)
+        _record(engine, server, action, None, exc, actor, settings.power_settle_s)
         raise
-    _record(engine, server, action, result, None, actor, settings)
+    _record(engine, server, action, result, None, actor, settings.power_settle_s)
     return result
 
 
@@ -177,7 +177,7 @@ def _record(
     result: ActionResult | PowerState | None,
     error: Exception | None,
     actor: str,
-    settings: Settings,
+    settle_s: float,
 ) -> None:
     """Observed fields and an Event, in one transaction. A command that went out starts a
     settle window in which the reconciler leaves the server alone (the BMC may apply it late).
@@ -195,7 +195,7 @@ def _record(
             row.power_state, row.power_state_at, row.bmc_reachable = after, now, True
             row.bmc_failures, row.bmc_checked_at = 0, now
             if isinstance(result, ActionResult) and result.sent:
-                row.power_settle_until = now + timedelta(seconds=settings.power_settle_s)
+                row.power_settle_until = now + timedelta(seconds=settle_s)
             details: dict[str, object] = {"action": action, "power_state": after.value}
             if isinstance(result, ActionResult):
                 details.update(sent=result.sent, before=result.state_before.value)
