@@ -32,11 +32,11 @@ from sqlmodel import Session, col, select
 
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError
+from fleet.events import server_event
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
 from fleet.models import (
     Deployment,
-    Event,
     ModelVersion,
     ProbeReference,
     Server,
@@ -207,8 +207,9 @@ def probe_server(
                 )
             )
             session.add(
-                _event(
+                server_event(
                     name,
+                    ACTOR,
                     "server.probe_recorded",
                     f"reference answer recorded for {deployment.name}"
                     + (f" ({key})" if key else ""),
@@ -229,8 +230,9 @@ def probe_server(
                 f"differently from its reference; the rollout of {deployment.name} fails"
             )
             session.add(
-                _event(
+                server_event(
                     name,
+                    ACTOR,
                     "server.probe_mismatch",
                     detail,
                     {"deployment": deployment.name, "version": key, "canary": True},
@@ -250,8 +252,9 @@ def probe_server(
         server.drain_started_at = utcnow()
         session.add(server)
         session.add(
-            _event(
+            server_event(
                 name,
+                ACTOR,
                 "server.probe_mismatch",
                 detail,
                 {"deployment": deployment.name, "version": key, "canary": False},
@@ -261,15 +264,3 @@ def probe_server(
         session.commit()
         log.error("%s: %s", name, detail)
         return ProbeOutcome(name, False, detail)
-
-
-def _event(server: str, kind: str, message: str, details: dict[str, Any] | None = None) -> Event:
-    return Event(
-        at=utcnow(),
-        subject_type="server",
-        subject=server,
-        actor=ACTOR,
-        kind=kind,
-        message=message,
-        details=details or {},
-    )

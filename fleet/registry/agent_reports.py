@@ -39,6 +39,7 @@ from fleet.catalog.refs import (
 from fleet.control import wakeups
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
+from fleet.events import server_event
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Gpu, ModelVersion, Role, Server, utcnow
 from fleet.power.measure import drawn_fresh_s, record_estimate
@@ -262,15 +263,7 @@ def _reply(
 
 
 def _event(server: Server, actor: str, kind: str, message: str, **details: Any) -> Event:
-    return Event(
-        at=utcnow(),
-        subject_type="server",
-        subject=server.name,
-        actor=actor,
-        kind=kind,
-        message=message,
-        details=details,
-    )
+    return server_event(server.name, actor, kind, message, details)
 
 
 def register(

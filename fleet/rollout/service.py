@@ -42,6 +42,7 @@ from sqlmodel import Session, col, select
 from fleet.catalog.refs import cache_entry, key_of, set_deployment_version, version_by_key
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError, NotFoundError
+from fleet.events import deployment_event
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, ModelVersion, Server, utcnow
 from fleet.provisioning import quality_probe
@@ -170,8 +171,9 @@ def start(session: Session, name: str, request: RolloutRequest, actor: str) -> R
     session.add(deployment)
     plan = ", ".join(f"{w:.0%}" if w >= 0.01 else f"{w:.2%}" for w in steps)
     session.add(
-        _event(
+        deployment_event(
             name,
+            utcnow(),
             actor,
             "deployment.rollout_started",
             f"rollout of {name}: {key_of(current)} → {key_of(version)} in steps {plan}",
@@ -446,8 +448,9 @@ def _promote(
     r.pop("waiting", None)
     _save(session, deployment, r, now)
     session.add(
-        _event(
+        deployment_event(
             deployment.name,
+            utcnow(),
             ACTOR,
             "deployment.rollout_complete",
             f"{deployment.name} now serves {key_of(canary)} (was {before})",
@@ -491,8 +494,9 @@ def _rollback(
     _save(session, deployment, r, now)
     figures = analysis.get("figures") or {}
     session.add(
-        _event(
+        deployment_event(
             deployment.name,
+            utcnow(),
             actor,
             "deployment.rollback",
             f"{deployment.name}: rollout of {r.get('version')} rolled back at step "
@@ -648,15 +652,3 @@ def _save(session: Session, deployment: Deployment, r: dict[str, Any], now: date
     deployment.rollout = dict(r)  # a new object: the JSON column notices the change
     deployment.updated_at = now
     session.add(deployment)
-
-
-def _event(name: str, actor: str, kind: str, message: str, details: dict[str, Any]) -> Event:
-    return Event(
-        at=utcnow(),
-        subject_type="deployment",
-        subject=name,
-        actor=actor,
-        kind=kind,
-        message=message[:2000],
-        details=details,
-    )
