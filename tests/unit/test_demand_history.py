@@ -171,16 +171,24 @@ def tick(db: Engine, at: datetime, forecasts: Forecasts, history: History, **kw:
     autoscale_once(db, settings(**kw), history, now=lambda: at, forecasts=forecasts)
 
 
-def test_the_tick_writes_each_minute_into_its_hours_row(db: Engine, llama: str) -> None:
-    forecasts, history = Forecasts.new(), History.new(900)
-    at = MONDAY + timedelta(hours=9, minutes=58)
-    count = 1000
-    for _ in range(4 * 4):  # four minutes of 15-s ticks, 12 requests a tick
+def quiet_ticks(
+    db: Engine, at: datetime, ticks: int, count: int, per_tick: int, history: History
+) -> Forecasts:
+    """`ticks` 15-s ticks from `at`, quiet engines, the router's counter from `count` rising
+    `per_tick` a tick; the Forecasts the ticks kept."""
+    forecasts = Forecasts.new()
+    for _ in range(ticks):
         heartbeat(db, at)
         router_says(db, at, count)
         tick(db, at, forecasts, history)
         at += timedelta(seconds=15)
-        count += 12
+        count += per_tick
+    return forecasts
+
+
+def test_the_tick_writes_each_minute_into_its_hours_row(db: Engine, llama: str) -> None:
+    # Four minutes of 15-s ticks, 12 requests a tick.
+    quiet_ticks(db, MONDAY + timedelta(hours=9, minutes=58), 4 * 4, 1000, 12, History.new(900))
     with Session(db) as session:
         rows = list(session.exec(select(DemandHour).order_by(col(DemandHour.hour))))
         assert [r.hour for r in rows] == [MONDAY + timedelta(hours=9), MONDAY + timedelta(hours=10)]
@@ -206,17 +214,10 @@ def test_the_tick_writes_each_minute_into_its_hours_row(db: Engine, llama: str) 
 def test_a_paused_autopilot_still_keeps_the_demand_history(db: Engine, llama: str) -> None:
     """Paused, nothing is decided, but the minutes are counted and written: the forecast gets
     no hole for an incident's pause, and a resume decides on the last minutes."""
-    forecasts, history = Forecasts.new(), History.new(900)
+    history = History.new(900)
     with Session(db) as session:
         set_paused(session, True, "operator:test", "incident")
-    at = MONDAY + timedelta(hours=14)
-    count = 0
-    for _ in range(3 * 4):  # three minutes of 15-s ticks
-        heartbeat(db, at)
-        router_says(db, at, count)
-        tick(db, at, forecasts, history)
-        at += timedelta(seconds=15)
-        count += 10
+    quiet_ticks(db, MONDAY + timedelta(hours=14), 3 * 4, 0, 10, history)  # three minutes
     with Session(db) as session:
         assert session.exec(select(ScalingDecision)).first() is None  # decided nothing
         minutes = [r for _, r, _, _ in demand.read(session, llama, MONDAY) if not math.isnan(r)]
