@@ -24,7 +24,10 @@ One scenario, in order (`pytest -s` prints the figures):
    Range request; the resumed copy carries a flipped byte, is caught, discarded and fetched
    again (Events say both); the spare powers off holding v1 verified.
 4. Two scale-outs: placement takes the staged spare first (its Event and `autoscaler explain`
-   say "cached"), then one without the version; the cached spare goes warm → serving faster.
+   say "cached"), then one without the version. The cached spare reaches serving without one
+   request to the source; the other fetches the version in its boot (counted at the source).
+   Both boots are recorded by kind; how much faster the cached one is, is bench/weights_boot.py's
+   to measure (here the shard is mostly holes and two seconds of noise hide the fetch).
 5. Through a router under steady load: a rollout to v2 (good) completes; a rollout to `bad`
    (half its answers are HTTP 500) is rolled back automatically at the canary step, with
    fewer failed requests than the canary's share of the window. Router metrics count requests
@@ -430,9 +433,15 @@ def test_weights_reach_the_gpus_staged_cached_and_rolled_out(
     assert any(e["subject"] == staged for e in events(world, "server.staged"))
     figures.append(f"staged {staged}: GETs of the big shard {[(s.range, s.fault) for s in big]}")
 
-    # 4. Scale out twice: the staged spare first, then a cold one; cached is faster. (No
-    #    more staging meanwhile: the pool would be topped up to one spare holding v1 again.)
+    # 4. Scale out twice: the staged spare first, then a cold one; the cached boot asks the
+    #    source for nothing. (No more staging meanwhile: the pool would be topped up to one
+    #    spare holding v1 again.)
     world.api("PATCH", "/deployments/chat", json={"cached_spares": 0})
+
+    def big_gets() -> list[Any]:
+        return [s for s in sources.faulty.files.seen if s.path == "v1-shard1.safetensors"]
+
+    gets_before = len(big_gets())
     explain = world.fleetctl("autoscaler", "explain", "chat")
     assert explain.exit_code == 0, explain.output
     booted = world.api("POST", "/spares/boot", json={"deployment": "chat", "count": 1})
@@ -447,6 +456,7 @@ def test_weights_reach_the_gpus_staged_cached_and_rolled_out(
         e for e in events(world, "server.transition", subject=staged) if "cached" in e["message"]
     ]
     assert moves, "the boot's Event does not say the version was cached"
+    assert len(big_gets()) == gets_before, big_gets()[gets_before:]
     booted = world.api("POST", "/spares/boot", json={"deployment": "chat", "count": 1})
     [cold] = booted["booted"]
     wait_for(
@@ -468,8 +478,14 @@ def test_weights_reach_the_gpus_staged_cached_and_rolled_out(
             "model_version",
         )
     }
-    figures.append(f"warm → serving: cached {hot_s:.1f} s, not cached {cold_s:.1f} s")
-    assert hot_s is not None and cold_s is not None and hot_s < cold_s, (hot_s, cold_s)
+    fetched = big_gets()[gets_before:]
+    assert [(s.range, s.fault) for s in fetched] == [(None, None)], fetched
+    assert any(e["subject"] == cold for e in events(world, "server.weights_ready")), cold
+    assert (cache_entry(cold_row, v1) or {}).get("state") == "ready", cold_row["cache_entries"]
+    figures.append(
+        f"warm → serving: cached {hot_s:.1f} s (no GET), not cached {cold_s:.1f} s (one GET of "
+        "the big shard)"
+    )
 
     world.api("PATCH", "/deployments/chat", json={"cached_spares": 1})
 
