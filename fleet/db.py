@@ -21,6 +21,15 @@ from fleet.settings import ConfigError, Settings
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
+# libpq's TCP keepalives on the service's Postgres connections: an idle pooled connection whose
+# peer is gone is probed after 30 s and dropped after three unanswered probes 10 s apart.
+TCP_KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+
 
 class NotMigratedError(ConfigError):
     """The database schema is behind the code."""
@@ -65,7 +74,10 @@ def engine_from_settings(settings: Settings) -> Engine:
     if not url.startswith("sqlite"):
         # How its sessions show in pg_stat_activity; psycopg prepares a statement on its 5th
         # run on a connection, which a transaction-mode pooler (PgBouncer < 1.21) breaks.
-        connect_args: dict[str, Any] = {"application_name": settings.db_application_name}
+        connect_args: dict[str, Any] = {
+            "application_name": settings.db_application_name,
+            **postgres_timeouts(settings),
+        }
         if not settings.db_prepared_statements:
             connect_args["prepare_threshold"] = None
         extra["connect_args"] = connect_args
@@ -76,6 +88,15 @@ def engine_from_settings(settings: Settings) -> Engine:
         pool_timeout=settings.db_pool_timeout_s,
         **extra,
     )
+
+
+def postgres_timeouts(settings: Settings) -> dict[str, int]:
+    """libpq's connection options that bound what a silent database host costs (Settings,
+    `db_connect_timeout_s`): the connect timeout, TCP_USER_TIMEOUT and keepalives."""
+    options = {"connect_timeout": settings.db_connect_timeout_s, **TCP_KEEPALIVES}
+    if settings.db_tcp_user_timeout_s > 0:
+        options["tcp_user_timeout"] = max(1, round(settings.db_tcp_user_timeout_s * 1000))
+    return options
 
 
 def probe_engine(engine: Engine, timeout_s: float = 3.0) -> Engine:

@@ -120,6 +120,16 @@ class Settings(BaseSettings):
     # false behind PgBouncer in transaction mode before 1.21 (Debian 12 has 1.18): server-side
     # prepared statements live on one server connection, which such a pooler changes under us.
     db_prepared_statements: bool = True
+    # A database host that stops answering (a partition, a host gone) must cost a request
+    # seconds, not the kernel's ~15 minutes of TCP retries: connecting (TCP, TLS, the startup
+    # and authentication) is bounded by `db_connect_timeout_s` (libpq's connect_timeout: whole
+    # seconds, at least 2); a connection whose sent bytes go unacknowledged for
+    # `db_tcp_user_timeout_s` fails (Linux TCP_USER_TIMEOUT; 0: the kernel's own), and idle
+    # pooled connections are probed with TCP keepalives (db.TCP_KEEPALIVES), so that a dead one
+    # is found before a request takes it. A slow query is not cut by either: Postgres
+    # acknowledges the bytes while it works.
+    db_connect_timeout_s: int = Field(default=5, ge=2, le=300)
+    db_tcp_user_timeout_s: float = Field(default=15.0, ge=0, le=600)
     # The database pool and the API's admission are sized together (docs/api.md): at most
     # `api_max_in_flight` API requests run at once, each holding at most one connection, and
     # the pool keeps `LOOP_CONNECTIONS` more for the control loops. A request waits up to
