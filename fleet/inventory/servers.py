@@ -228,11 +228,7 @@ def get_server(session: Session, name: str) -> ServerPublic:
 def list_gpus(
     session: Session, server: str | None, limit: int, offset: int
 ) -> tuple[int, list[GpuPublic]]:
-    query = (
-        select(Gpu, Server.name, Server.gpu_telemetry)
-        .select_from(Gpu)
-        .join(Server, col(Server.id) == Gpu.server_id)
-    )
+    query = select(Gpu, Server.name).select_from(Gpu).join(Server, col(Server.id) == Gpu.server_id)
     if server is not None:
         if session.exec(select(Server.id).where(Server.name == server)).first() is None:
             raise NotFoundError(f"no server named {server!r}")
@@ -244,14 +240,22 @@ def list_gpus(
     )
     rows = session.exec(
         query.order_by(col(Server.name), col(Gpu.index)).limit(limit).offset(offset)
+    ).all()
+    # Each server's readings once for the page (a server has up to 8 GPUs: joined, its JSON
+    # would travel and be decoded once per GPU row).
+    server_ids = {g.server_id for g, _ in rows}
+    telemetry = dict(
+        session.exec(
+            select(Server.id, Server.gpu_telemetry).where(col(Server.id).in_(server_ids))
+        ).all()
     )
     return count, [
         GpuPublic(
             **g.model_dump(exclude={"id", "server_id"}),
             server=s,
-            reading=_reading(readings, g.index),
+            reading=_reading(telemetry.get(g.server_id), g.index),
         )
-        for g, s, readings in rows
+        for g, s in rows
     ]
 
 
