@@ -152,7 +152,17 @@ def run_demo(options: Options, console: Console) -> Summary:
             _bring_up(world, inventory, deployments, say)
             names = [d["name"] for d in deployments]
             summary = _run_traffic(
-                world, options, timeline, trace, names, base_rps, per_server, sla_s, say, console
+                world,
+                options,
+                timeline,
+                trace,
+                names,
+                floors,
+                base_rps,
+                per_server,
+                sla_s,
+                say,
+                console,
             )
             completed = True
             return summary
@@ -280,6 +290,7 @@ def _run_traffic(
     timeline: plan.Timeline,
     trace: list[Any],
     names: list[str],
+    floors: int,
     base_rps: float,
     per_server: float,
     sla_s: float,
@@ -320,7 +331,7 @@ def _run_traffic(
                     live.update(render(sample, sla_s, header))
                 else:
                     say(line(sample))
-                if t > options.duration_s and replay.done.is_set() and _settled(sample, 2):
+                if t > options.duration_s and replay.done.is_set() and _settled(sample, floors):
                     break
             time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
     finally:
@@ -359,11 +370,12 @@ _STORY = {
 }
 
 
-def _settled(sample: Sample, floor: int) -> bool:
-    """The fleet is back at rest: nothing booting or draining, serving its minimum."""
+def _settled(sample: Sample, floors: int) -> bool:
+    """The fleet is back at rest: nothing booting or draining, serving its deployments'
+    floors (their min_replicas summed) and aiming at no more."""
     busy = {"booting", "loading", "draining", "drained", "powering_off"}
     at_rest = not any(sample.states.get(s) for s in busy)
-    return at_rest and sample.serving == sample.target <= floor
+    return at_rest and sample.serving == sample.target <= floors
 
 
 def _inject_fault(world: World, say: Callable[[str], None]) -> str | None:

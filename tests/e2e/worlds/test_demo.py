@@ -166,3 +166,36 @@ def test_the_live_view_and_the_log_line_render_a_sample() -> None:
         assert expected in text, expected
     assert "t=   42s spike ×3" in line(sample) and "waiting=7" in line(sample)
     assert "drawn=~5.23kW" in line(sample)
+
+
+def test_the_watch_ends_once_the_fleet_rests_on_its_floors() -> None:
+    """The demo stops watching as soon as nothing moves and the fleet serves its deployments'
+    floors (before, it compared with 2 where the demo's three deployments rest on 3, so every
+    run watched the whole 150 s wind-down)."""
+    from fleet.demo.run import _settled
+    from fleet.demo.view import Sample
+
+    def sample(states: dict[str, int], target: int, serving: int) -> Sample:
+        return Sample(
+            t=200.0,
+            phase="wind-down",
+            states=states,
+            target=target,
+            serving=serving,
+            on_the_way=0,
+            floor=0,
+            queue_per_gpu=0.0,
+            engine_p95_s=None,
+            router_waiting=0,
+            offered_rps=0.0,
+            client_p95_s=None,
+            done=300,
+            failed=0,
+            power_w=1800.0,
+            gpus_on=12,
+        )
+
+    assert _settled(sample({"serving": 3, "warm": 2}, 3, 3), floors=3)
+    assert not _settled(sample({"serving": 3, "powering_off": 1, "warm": 1}, 3, 3), floors=3)
+    assert not _settled(sample({"serving": 4, "warm": 1}, 4, 4), floors=3)
+    assert not _settled(sample({"serving": 3, "booting": 1, "warm": 1}, 4, 3), floors=3)
