@@ -224,23 +224,28 @@ DEBUG_LOGGERS = (
 
 @contextmanager
 def debug_logging() -> Iterator[RecordingHandler]:
-    """Every interesting logger at DEBUG, all records captured; levels restored after."""
+    """Every interesting logger at DEBUG, all records captured; levels restored after.
+
+    Each is also made to propagate to the root for the while: a uvicorn.Config built earlier in
+    this process with `access_log=False` (`fleetctl serve` run in-process by another test) leaves
+    uvicorn.access not propagating, which would hide its records from the capture."""
     handler = RecordingHandler()
     root = logging.getLogger()
-    saved = {name: logging.getLogger(name).level for name in DEBUG_LOGGERS}
-    saved_disabled = {name: logging.getLogger(name).disabled for name in DEBUG_LOGGERS}
-    for name in DEBUG_LOGGERS:
-        logger = logging.getLogger(name)
+    loggers = [logging.getLogger(name) for name in DEBUG_LOGGERS]
+    saved = [(lg.level, lg.disabled, lg.propagate) for lg in loggers]
+    for logger in loggers:
         logger.setLevel(logging.DEBUG)
         logger.disabled = False
+        logger.propagate = True
     root.addHandler(handler)
     try:
         yield handler
     finally:
         root.removeHandler(handler)
-        for name, level in saved.items():
-            logging.getLogger(name).setLevel(level)
-            logging.getLogger(name).disabled = saved_disabled[name]
+        for logger, (level, disabled, propagate) in zip(loggers, saved, strict=True):
+            logger.setLevel(level)
+            logger.disabled = disabled
+            logger.propagate = propagate
 
 
 # ---------------------------------------------------------------------------------------------
