@@ -13,9 +13,10 @@
   up (~5 s). pyghmi's own knobs (module-level `initialtimeout`, per-session `maxtimeout`) are
   process-wide or reset at login, so they are left alone.
 - **pyghmi 1.6 quirks handled here.** Credentials are passed as bytes (with str, a second
-  Command for the same BMC waits forever on a stale cache entry), and `_io_wait` is sliced to
-  50 ms (a lost wake-up otherwise stalls 1-4 calls in 100 against a local BMC by 0.5-1 s); see
-  `_slice_pyghmi_io_waits`.
+  Command for the same BMC waits forever on a stale cache entry), and no pyghmi wait lasts
+  over 50 ms (a lost wake-up otherwise stalls 1-4 calls in 100 against a local BMC by 0.5-1 s,
+  and a dead I/O thread left its waiters, and the locks they held, waiting forever); see
+  `_bound_pyghmi_io_waits`.
 - **Errors.** pyghmi raises `IpmiException` with text (and sometimes an IPMI completion code);
   they map to: wrong password / unknown user / privilege refused -> `BmcAuthFailed`; session
   timeout, DNS or socket failure -> `BmcUnreachable`; completion codes busy (0xC0), timeout
@@ -125,27 +126,48 @@ _session_users: dict[Any, int] = {}
 _bmc_locks: dict[tuple[str, int, str], threading.Lock] = {}
 
 
-def _slice_pyghmi_io_waits(slice_s: float = 0.05) -> None:
-    """Work around a lost wake-up in pyghmi 1.6's I/O loop.
+def _bound_pyghmi_io_waits(slice_s: float = 0.05) -> None:
+    """Replace pyghmi 1.6's `session._io_wait` with one that never waits longer than `slice_s`.
 
-    A caller registers its wait (`session._io_wait`) only after sending; when the answer
-    arrives first (a BMC on the same host answers in microseconds), the I/O thread has already
-    queued the packet and nobody wakes the caller until its retransmit deadline, 0.5-1 s later.
-    Every pyghmi caller of `_io_wait` loops and re-checks its packet queue, so capping each
-    wait at `slice_s` turns that stall into at most `slice_s`. Applied once, process-wide.
+    pyghmi parks a waiting caller on an event that only its I/O thread sets: when the answer
+    is due or its deadline passes. Two faults follow, both seen here:
+
+    - A lost wake-up: a caller registers its wait only after sending; when the answer arrives
+      first (a BMC on the same host answers in microseconds), nobody wakes the caller until
+      its retransmit deadline, 0.5-1 s later.
+    - A wait forever: if the I/O thread dies (`_revive_io_thread` starts another, which knows
+      nothing of the old one's waiters), every caller parked on it waits without end, and some
+      wait holding pyghmi's process-wide locks (a session that times out inside another
+      caller's event loop logs out under `WAITING_SESSIONS`), so every later IPMI call in the
+      process stalls behind them.
+
+    Every pyghmi caller of `_io_wait` loops and re-checks its packets and deadlines, so a wait
+    that ends by itself after `slice_s` is always safe: the first fault costs at most
+    `slice_s`, the second nothing. The protocol with the I/O thread is pyghmi's own: queue
+    (deadline, event, address), and break its select() when this deadline is sooner than the
+    one it sleeps to. Applied once, process-wide.
     """
-    original = getattr(pyghmi_session, "_io_wait", None)
-    if original is None or getattr(original, "fleet_sliced", False):
+    if getattr(getattr(pyghmi_session, "_io_wait", None), "fleet_bounded", False):
         return
 
-    def _io_wait(timeout: float, myaddr: Any = None, evq: Any = None) -> Any:
-        return original(min(timeout, slice_s), myaddr, evq)
+    def _io_wait(timeout: float, myaddr: Any = None, evq: Any = None) -> None:
+        woken = threading.Event()
+        if evq is not None:
+            evq.append(woken)
+        wait = min(max(timeout, 0.001), slice_s)
+        deadline = pyghmi_session._monotonic_time() + wait
+        pyghmi_session.ioqueue.append((deadline, woken, myaddr))
+        if deadline < pyghmi_session.selectdeadline:
+            wake = pyghmi_session.iosockets[0]
+            with contextlib.suppress(OSError):  # a closed wake socket: the wait still ends
+                wake.sendto(b"\x01", (pyghmi_session.myself, wake.getsockname()[1]))
+        woken.wait(wait)
 
-    _io_wait.fleet_sliced = True  # type: ignore[attr-defined]
+    _io_wait.fleet_bounded = True  # type: ignore[attr-defined]
     pyghmi_session._io_wait = _io_wait
 
 
-_slice_pyghmi_io_waits()
+_bound_pyghmi_io_waits()
 
 
 def _bmc_lock(key: tuple[str, int, str]) -> threading.Lock:
@@ -333,15 +355,7 @@ class IpmiDriver(PowerDriver):
         if cmd is None:
             return
         # Log out off the caller's thread: a stalled BMC must not hold close() up.
-        worker = threading.Thread(
-            target=_release_session,
-            args=(cmd.ipmi_session, self._key),
-            kwargs={"logout": True},
-            name=f"ipmi-close {self.target.server}",
-            daemon=True,
-        )
-        worker.start()
-        worker.join(min(self.target.timeouts.call, 2.0))
+        self._release_off_thread(cmd, logout=True, wait_s=min(self.target.timeouts.call, 2.0))
 
     # -----------------------------------------------------------------------------------------
     # plumbing
@@ -472,7 +486,23 @@ class IpmiDriver(PowerDriver):
             cmd, self._cmd = self._cmd, None
             self._generation += 1
         if cmd is not None:
-            _release_session(cmd.ipmi_session, self._key, logout=False)
+            # Off the caller's thread too: retiring takes the BMC's lock, which another
+            # driver's login to this (hung) BMC may hold for as long as pyghmi tries.
+            self._release_off_thread(cmd, logout=False, wait_s=min(self.target.timeouts.call, 0.5))
+
+    def _release_off_thread(self, cmd: Any, *, logout: bool, wait_s: float) -> None:
+        """`_release_session` in a daemon thread, waited for at most `wait_s` s: done by then
+        when nothing holds the BMC's lock (so the next call logs in afresh), and never a
+        caller held past its deadline when something does."""
+        worker = threading.Thread(
+            target=_release_session,
+            args=(cmd.ipmi_session, self._key),
+            kwargs={"logout": logout},
+            name=f"ipmi-release {self.target.server}",
+            daemon=True,
+        )
+        worker.start()
+        worker.join(wait_s)
 
     def _map_error(self, exc: BaseException, what: str) -> BmcError:
         target = self.target

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -23,6 +25,7 @@ from pyghmi.ipmi import command as pyghmi_command
 from pyghmi.ipmi.private import session as pyghmi_session
 
 from fleet.bmc import driver_for
+from fleet.bmc import ipmi as ipmi_module
 from fleet.bmc.base import (
     ActionResult,
     BmcAuthFailed,
@@ -361,12 +364,20 @@ def test_a_dropped_session_leaves_nothing_in_pyghmis_tables(make_sim: SimFactory
     assert session.broken
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_dead_pyghmi_io_thread_is_revived(sim: IpmiSim) -> None:
-    """pyghmi's single I/O thread dies if its select() raises (here: a closed socket among its
-    sockets); the driver starts a new one instead of letting every IPMI call hang."""
-    with IpmiDriver(target_of(sim)) as driver:
-        assert driver.power_state() is PowerState.OFF
+@contextmanager
+def frozen(sim: IpmiSim) -> Iterator[None]:
+    """The BMC hangs (SIGSTOP: the process holds its port and answers nothing) for a while."""
+    assert sim.pid is not None
+    os.killpg(sim.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(sim.pid, signal.SIGCONT)
+
+
+def kill_pyghmi_io_thread() -> socket.socket:
+    """Make pyghmi's I/O thread's select() raise (a closed socket among its sockets); returns
+    that socket."""
     thread = pyghmi_session.iothread
     assert thread is not None and thread.is_alive()
     closed = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
@@ -378,12 +389,67 @@ def test_a_dead_pyghmi_io_thread_is_revived(sim: IpmiSim) -> None:
     while thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not thread.is_alive()  # select() raised on the closed socket
+    return closed
+
+
+def ipmi_workers(server: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"ipmi {server}"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_pyghmi_io_thread_is_revived(sim: IpmiSim) -> None:
+    """pyghmi's single I/O thread dies if its select() raises (here: a closed socket among its
+    sockets); the driver starts a new one instead of letting every IPMI call hang."""
+    with IpmiDriver(target_of(sim)) as driver:
+        assert driver.power_state() is PowerState.OFF
+    thread = pyghmi_session.iothread
+    closed = kill_pyghmi_io_thread()
 
     with IpmiDriver(target_of(sim)) as driver:
         assert driver.power_on().sent
         assert driver.power_state() is PowerState.ON
     assert pyghmi_session.iothread is not thread and pyghmi_session.iothread.is_alive()
     assert closed not in pyghmi_session.iosockets
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_call_waiting_when_the_io_thread_dies_still_ends(sim: IpmiSim) -> None:
+    """pyghmi parks a waiting caller on an event only its I/O thread sets: when that thread
+    died, the waiter (a worker, possibly holding pyghmi's process-wide locks) waited forever.
+    Fleet's waits are bounded, so the stranded worker ends once the revived thread (or
+    pyghmi's own give-up) answers it."""
+    target = target_of(sim, "gpu-stranded")
+    with IpmiDriver(target) as driver:
+        assert driver.power_state() is PowerState.OFF
+        with frozen(sim):
+            with pytest.raises(BmcUnreachable):
+                driver.power_state()  # its worker now waits in pyghmi for an answer
+            assert ipmi_workers(target.server), "no worker left waiting"
+            kill_pyghmi_io_thread()
+        # A later call revives the I/O thread; the stranded worker must end by itself.
+        assert driver.power_state() is PowerState.OFF
+        deadline = time.monotonic() + 15  # pyghmi's own retransmits give up within ~10 s
+        while ipmi_workers(target.server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not ipmi_workers(target.server), "a worker waits forever on a dead I/O thread"
+
+
+def test_a_timed_out_call_is_not_held_by_a_login_to_the_same_bmc(sim: IpmiSim) -> None:
+    """After a timeout the driver drops its session, which needs the BMC's lock; another
+    driver's login to that BMC (stuck on the hung BMC) may hold it for as long as pyghmi
+    tries. The caller must not wait for it: the call still ends within its total."""
+    target = target_of(sim, "gpu-held")
+    with IpmiDriver(target) as driver:
+        assert driver.power_state() is PowerState.OFF
+        lock = ipmi_module._bmc_lock((target.address, target.port, target.username))
+        with frozen(sim), lock:  # the lock: another driver logging in to the hung BMC
+            started = time.monotonic()
+            with pytest.raises(BmcUnreachable):
+                driver.power_state()
+            elapsed = time.monotonic() - started
+        # Retries start until `total`, each bounded by `call`: the read's worst case.
+        assert elapsed <= TIMEOUTS.total + CALL + MARGIN, elapsed
+        assert driver.power_state() is PowerState.OFF  # and it reconnects afterwards
 
 
 # ---------------------------------------------------------------------------------------------
