@@ -39,7 +39,7 @@ from fleet.catalog.refs import (
 from fleet.control import wakeups
 from fleet.crypto import SecretBox
 from fleet.errors import ConflictError, FleetError, NotFoundError, ValidationFailed
-from fleet.events import server_event
+from fleet.events import deployment_event, server_event
 from fleet.lifecycle.states import ServerState
 from fleet.models import Deployment, Event, Gpu, ModelVersion, Role, Server, utcnow
 from fleet.power.measure import drawn_fresh_s, record_estimate
@@ -489,14 +489,13 @@ def _record_cache(
             )
             for deployment in _deployments_of(session, entry.key):
                 session.add(
-                    Event(
-                        at=now,
-                        subject_type="deployment",
-                        subject=deployment,
-                        actor=actor,
-                        kind="deployment.weights_failed",
-                        message=f"server {server.name}: {entry.key}: {error}"[:1000],
-                        details={"server": server.name, "version": entry.key, "error": error},
+                    deployment_event(
+                        deployment,
+                        now,
+                        actor,
+                        "deployment.weights_failed",
+                        f"server {server.name}: {entry.key}: {error}"[:1000],
+                        {"server": server.name, "version": entry.key, "error": error},
                     )
                 )
         elif entry.state == "ready" and state != "ready":
