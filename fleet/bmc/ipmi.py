@@ -10,8 +10,12 @@
   Each call (connect included) therefore runs in a short-lived daemon worker thread and the
   caller waits at most `target.timeouts.call` seconds (`threading.Event.wait`), then raises
   `BmcUnreachable` and drops the session. The abandoned worker ends by itself when pyghmi gives
-  up (~5 s). pyghmi's own knobs (module-level `initialtimeout`, per-session `maxtimeout`) are
-  process-wide or reset at login, so they are left alone.
+  up (~5 s); a worker abandoned while queued behind another login to the same BMC does not
+  log in at all, and a login still running when its call times out is ended (pyghmi can lose
+  a login from its retransmit table, and it then waits for ever holding the BMC's lock; see
+  `_break_logins`). Dropping a session and closing happen off the caller's thread. pyghmi's
+  own knobs (module-level `initialtimeout`, per-session `maxtimeout`) are process-wide or reset
+  at login, so they are left alone.
 - **pyghmi 1.6 quirks handled here.** Credentials are passed as bytes (with str, a second
   Command for the same BMC waits forever on a stale cache entry), and no pyghmi wait lasts
   over 50 ms (a lost wake-up otherwise stalls 1-4 calls in 100 against a local BMC by 0.5-1 s,
@@ -192,6 +196,37 @@ def _release_session(session: Any, key: tuple[str, int, str], *, logout: bool) -
             with contextlib.suppress(Exception):  # best effort: the BMC times it out anyway
                 session.logout()
         _retire(session)
+
+
+def _break_logins(address: str, port: int, username: str) -> int:
+    """Mark broken every pyghmi session still logging in to this BMC as this user; returns
+    how many. pyghmi 1.6 can leave a login that nothing drives (out of its retransmit table,
+    so it neither retries nor gives up) and a new Command for the same BMC then waits on that
+    session: both wait for ever (seen here under load, against a healthy BMC too). Called
+    under the BMC's lock before a login (no Fleet login to it is in progress then, so any is
+    stale) and after a call timed out (its login, if any, is abandoned)."""
+    table = pyghmi_session.Session
+    found: list[Any] = []
+    with contextlib.suppress(RuntimeError):  # the tables change under us: best effort
+        found.extend(list(table.initting_sessions.values()))
+        for handlers in list(table.bmc_handlers.values()):
+            found.extend(list(handlers.values()))
+    user = username.encode("utf-8")
+    broken = 0
+    for session in {id(s): s for s in found}.values():
+        if (
+            getattr(session, "bmc", None) == address
+            and getattr(session, "port", None) == port
+            and getattr(session, "userid", None) == user
+            and getattr(session, "logging", False)
+            and not getattr(session, "logged", 0)
+            and not getattr(session, "broken", True)
+        ):
+            with contextlib.suppress(Exception):
+                # "timeout": the waiting Command raises it, mapped to BmcUnreachable.
+                session._mark_broken("login timeout: abandoned by Fleet")
+            broken += 1
+    return broken
 
 
 def _retire(session: Any) -> None:
@@ -412,6 +447,7 @@ class IpmiDriver(PowerDriver):
         def work() -> None:
             try:
                 cmd, owned = self._command(generation)
+                box["connected"] = True
                 try:
                     box["value"] = fn(cmd)
                 finally:
@@ -426,6 +462,8 @@ class IpmiDriver(PowerDriver):
         worker.start()
         if not done.wait(limit):
             self._drop(generation)
+            if "connected" not in box:  # still logging in, perhaps for ever: end that login
+                self._break_logins_off_thread()
             hint = (
                 "it may or may not have taken effect; read the power state before retrying"
                 if command
@@ -449,6 +487,13 @@ class IpmiDriver(PowerDriver):
             if self._cmd is not None and generation == self._generation:
                 return self._cmd, True
         with _bmc_lock(self._key):
+            with self._lock:
+                if generation != self._generation:
+                    # Abandoned while queued behind another login to this BMC: logging in
+                    # now would only hold the next caller up (each login to a dead BMC
+                    # lasts as long as pyghmi tries).
+                    raise BmcUnreachable(self.target, "login abandoned: the call timed out")
+            _break_logins(*self._key)
             # Credentials as bytes: pyghmi (1.6) keys its session cache with the values given
             # but stores them encoded, so with str a second Command for the same BMC finds a
             # stale "logging in" entry and waits on it forever.
@@ -489,6 +534,17 @@ class IpmiDriver(PowerDriver):
             # Off the caller's thread too: retiring takes the BMC's lock, which another
             # driver's login to this (hung) BMC may hold for as long as pyghmi tries.
             self._release_off_thread(cmd, logout=False, wait_s=min(self.target.timeouts.call, 0.5))
+
+    def _break_logins_off_thread(self) -> None:
+        """`_break_logins` without holding the caller up (it takes pyghmi's table locks)."""
+        worker = threading.Thread(
+            target=_break_logins,
+            args=self._key,
+            name=f"ipmi-release {self.target.server}",
+            daemon=True,
+        )
+        worker.start()
+        worker.join(min(self.target.timeouts.call, 0.5))
 
     def _release_off_thread(self, cmd: Any, *, logout: bool, wait_s: float) -> None:
         """`_release_session` in a daemon thread, waited for at most `wait_s` s: done by then

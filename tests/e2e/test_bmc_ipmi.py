@@ -452,6 +452,73 @@ def test_a_timed_out_call_is_not_held_by_a_login_to_the_same_bmc(sim: IpmiSim) -
         assert driver.power_state() is PowerState.OFF  # and it reconnects afterwards
 
 
+def test_calls_abandoned_behind_a_login_to_a_dead_bmc_do_not_log_in_after_it() -> None:
+    """Six drivers call a BMC that never answers at once. Each timed-out call leaves its
+    worker queued behind the one login in progress (pyghmi's ~5 s per login); a worker whose
+    caller gave up must not log in when its turn comes, or the queue outlives every caller
+    by minutes and holds the next one up."""
+    target = down_target("gpu-queue")
+    drivers = [IpmiDriver(target) for _ in range(6)]
+
+    def call(driver: IpmiDriver) -> BaseException | None:
+        try:
+            driver.power_state()
+        except BmcError as exc:
+            return exc
+        return None
+
+    with ThreadPoolExecutor(max_workers=len(drivers)) as pool:
+        errors = list(pool.map(call, drivers))
+    assert all(isinstance(e, BmcUnreachable) for e in errors), errors
+    deadline = time.monotonic() + 8  # one login's give-up, and some
+    while ipmi_workers(target.server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not ipmi_workers(target.server), f"{len(ipmi_workers(target.server))} still queued"
+    for driver in drivers:
+        driver.close()
+
+
+def test_a_login_nothing_drives_is_ended_when_its_call_times_out(sim: IpmiSim) -> None:
+    """pyghmi can lose a login from its retransmit table: then it neither retries nor gives
+    up, its worker waits for ever holding the BMC's lock, and every later call to that BMC
+    times out behind it. Here the BMC is frozen and the login's entry taken out of the
+    table by hand; when the call times out, Fleet ends that login."""
+    target = target_of(sim, "gpu-lost-login")
+    outcome: list[BaseException | None] = []
+    with frozen(sim):
+        driver = IpmiDriver(target)
+
+        def call() -> None:
+            try:
+                driver.power_state()
+                outcome.append(None)
+            except BmcError as exc:
+                outcome.append(exc)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        deadline = time.monotonic() + CALL
+        lost: list[Any] = []
+        while not lost and time.monotonic() < deadline:  # the login in progress, found
+            time.sleep(0.05)
+            lost = [
+                s
+                for s in list(pyghmi_session.Session.waiting_sessions)
+                if getattr(s, "port", None) == sim.port
+            ]
+        assert lost, "no login in progress to lose"
+        for session in lost:
+            pyghmi_session.Session.waiting_sessions.pop(session, None)
+        caller.join(TIMEOUTS.total + CALL + MARGIN)
+        assert outcome and isinstance(outcome[0], BmcUnreachable), outcome
+        deadline = time.monotonic() + 5
+        while ipmi_workers(target.server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not ipmi_workers(target.server), "the lost login's worker waits for ever"
+    assert driver.power_state() is PowerState.OFF  # the BMC is usable again
+    driver.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # many BMCs at once
 
