@@ -443,10 +443,11 @@ class IpmiDriver(PowerDriver):
             generation = self._generation
         box: dict[str, Any] = {}
         done = threading.Event()
+        gave_up = threading.Event()
 
         def work() -> None:
             try:
-                cmd, owned = self._command(generation)
+                cmd, owned = self._command(generation, gave_up)
                 box["connected"] = True
                 try:
                     box["value"] = fn(cmd)
@@ -461,6 +462,7 @@ class IpmiDriver(PowerDriver):
         worker = threading.Thread(target=work, name=f"ipmi {self.target.server}", daemon=True)
         worker.start()
         if not done.wait(limit):
+            gave_up.set()
             self._drop(generation)
             if "connected" not in box:  # still logging in, perhaps for ever: end that login
                 self._break_logins_off_thread()
@@ -480,19 +482,19 @@ class IpmiDriver(PowerDriver):
         value: T = box["value"]
         return value
 
-    def _command(self, generation: int) -> tuple[Any, bool]:
+    def _command(self, generation: int, gave_up: threading.Event) -> tuple[Any, bool]:
         """The driver's pyghmi Command, connecting on first use. Returns (command, owned):
-        not owned when the call that asked was abandoned while connecting."""
+        not owned when the call that asked was abandoned while connecting. Raises
+        `BmcUnreachable` when its caller gave up (`gave_up`) before its turn to log in."""
         with self._lock:
             if self._cmd is not None and generation == self._generation:
                 return self._cmd, True
         with _bmc_lock(self._key):
-            with self._lock:
-                if generation != self._generation:
-                    # Abandoned while queued behind another login to this BMC: logging in
-                    # now would only hold the next caller up (each login to a dead BMC
-                    # lasts as long as pyghmi tries).
-                    raise BmcUnreachable(self.target, "login abandoned: the call timed out")
+            if gave_up.is_set():
+                # Abandoned while queued behind another login to this BMC: logging in now
+                # would only hold the next caller up (a login to a dead BMC lasts as long as
+                # pyghmi tries).
+                raise BmcUnreachable(self.target, "login abandoned: the call timed out")
             _break_logins(*self._key)
             # Credentials as bytes: pyghmi (1.6) keys its session cache with the values given
             # but stores them encoded, so with str a second Command for the same BMC finds a
