@@ -50,6 +50,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 from pyghmi import exceptions as pyghmi_exc
@@ -539,26 +540,19 @@ class IpmiDriver(PowerDriver):
 
     def _break_logins_off_thread(self) -> None:
         """`_break_logins` without holding the caller up (it takes pyghmi's table locks)."""
-        worker = threading.Thread(
-            target=_break_logins,
-            args=self._key,
-            name=f"ipmi-release {self.target.server}",
-            daemon=True,
-        )
-        worker.start()
-        worker.join(min(self.target.timeouts.call, 0.5))
+        self._off_thread(_break_logins, *self._key, wait_s=min(self.target.timeouts.call, 0.5))
 
     def _release_off_thread(self, cmd: Any, *, logout: bool, wait_s: float) -> None:
-        """`_release_session` in a daemon thread, waited for at most `wait_s` s: done by then
-        when nothing holds the BMC's lock (so the next call logs in afresh), and never a
-        caller held past its deadline when something does."""
-        worker = threading.Thread(
-            target=_release_session,
-            args=(cmd.ipmi_session, self._key),
-            kwargs={"logout": logout},
-            name=f"ipmi-release {self.target.server}",
-            daemon=True,
-        )
+        """`_release_session` off the caller's thread: done by `wait_s` when nothing holds the
+        BMC's lock (so the next call logs in afresh), and never a caller held past its
+        deadline when something does."""
+        release = partial(_release_session, logout=logout)
+        self._off_thread(release, cmd.ipmi_session, self._key, wait_s=wait_s)
+
+    def _off_thread(self, fn: Callable[..., object], *args: Any, wait_s: float) -> None:
+        """`fn(*args)` in a daemon thread, waited for at most `wait_s` s."""
+        name = f"ipmi-release {self.target.server}"
+        worker = threading.Thread(target=fn, args=args, name=name, daemon=True)
         worker.start()
         worker.join(wait_s)
 
