@@ -97,7 +97,7 @@ from fleet.lab.processes import (
     Usage,
     child_exited,
     die_with_parent,
-    free_port_block,
+    distinct_free_block,
     signal_group,
     usage_of,
 )
@@ -120,7 +120,7 @@ from fleet.lab.state import (
     status_from_state,
     write_state,
 )
-from fleet.lab.sushy import FakeSystem, SushyEmulator, free_port
+from fleet.lab.sushy import FakeSystem, SushyEmulator
 from fleet.models import BmcProtocol
 from fleet_core.gpus import gpu_spec
 
@@ -194,6 +194,8 @@ class _Node:
     host_ref: ProcRef | None = None
     agent_port: int = 0
     engine_base_port: int = 0
+    # Every port the lab handed this server (sshd, agent, engines): no other server gets them.
+    ports: set[int] = field(default_factory=set)
     # The running agent's environment (its ports among it): a restart (restart_agent) starts
     # the same agent again, as systemd's Restart= would, so it finds its engines where they are.
     agent_env: dict[str, str] | None = None
@@ -480,28 +482,17 @@ class VirtualColo:
         its sshd port and its agent's ports, distinct and fixed for the lab's life."""
         check_ssh_mode()
         ensure_client_key(self.workdir)
-        taken: set[int] = set()
-
-        def port(count: int = 1) -> int:
-            for _ in range(100):  # free_port_block checks each block is free now, not distinct
-                base = free_port_block(count)
-                block = set(range(base, base + count))
-                if not block & taken:
-                    taken.update(block)
-                    return base
-            raise LabError("no distinct free ports left for the lab's SSH hosts")
-
         for node in self._nodes.values():
             node.host = SshHost(
                 node.name,
                 self.workdir / "hosts" / node.name,
-                port(),
+                self._claim_ports(node, 1),
                 self.workdir / AUTHORIZED_KEYS,
                 self.stop_grace_s,
             )
             node.host.prepare()
-            node.agent_port = port()
-            node.engine_base_port = port(max(node.spec.gpu.count, 1))
+            node.agent_port = self._claim_ports(node, 1)
+            node.engine_base_port = self._claim_ports(node, max(node.spec.gpu.count, 1))
         first = next(iter(self._nodes.values()), None)
         if first is not None and first.host is not None:
             check_sshd_config(first.host)  # every host's config is alike: one check
@@ -794,7 +785,8 @@ class VirtualColo:
             node.token = self._token_for(node.name)
         started = "restarted" if env is not None else "power-on boot done"
         if env is None:
-            env = self._agent_env(node, node.token, free_port())
+            node.ports.clear()  # this boot's agent and engines draw their own
+            env = self._agent_env(node, node.token, self._claim_ports(node, 1))
         port = int(env["FLEET_AGENT_LISTEN_PORT"])
         node.agent_env = env
         log_path = node.workdir / "agent.log"
@@ -818,6 +810,16 @@ class VirtualColo:
         node.error = None
         log.info("%s: agent pid %d at %s", node.name, proc.pid, node.agent_url)
 
+    def _claim_ports(self, node: _Node, count: int) -> int:
+        """A base of `count` free ports for `node`, apart from every port the lab handed out:
+        servers booting at once must not draw the same ones (a free check sees only what is
+        bound, and an engine binds seconds after its agent starts). Under `_state_lock`, or in
+        up() before the controller runs."""
+        taken = set().union(*(n.ports for n in self._nodes.values()))
+        base = distinct_free_block(count, taken)
+        node.ports.update(range(base, base + count))
+        return base
+
     def _agent_env(self, node: _Node, token: str, port: int) -> dict[str, str]:
         # The lab's own FLEET_* settings (its database, say) are not the agent's business.
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
@@ -835,7 +837,7 @@ class VirtualColo:
             FLEET_AGENT_SIM_SEED=str(node.seed),
             # Engines: the STAND-IN of each engine (below; no GPUs here), one port per
             # possible replica.
-            FLEET_AGENT_ENGINE_BASE_PORT=str(free_port_block(max(node.spec.gpu.count, 1))),
+            FLEET_AGENT_ENGINE_BASE_PORT=str(self._claim_ports(node, max(node.spec.gpu.count, 1))),
             FLEET_AGENT_WORK_DIR=str(node.workdir / "agent"),
             FLEET_STANDIN_GPU=node.spec.gpu.model,
         )
@@ -1167,6 +1169,15 @@ class VirtualColo:
     def agent_pid(self, server: str) -> int | None:
         proc = self._node(server).agent
         return proc.pid if proc is not None else None
+
+    def agent_log_tail(self, server: str, needle: str = "", lines: int = 5) -> str:
+        """The last `lines` lines of the server's agent log holding `needle`, joined with " | "
+        ("" when there is no log): what a test prints when an engine never became ready."""
+        try:
+            text = (self._node(server).workdir / "agent.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join([line for line in text.splitlines() if needle in line][-lines:])
 
     def host_pid(self, server: str) -> int | None:
         """SSH mode: the pid of the server's running host (its `unshare`, the namespace's

@@ -67,6 +67,16 @@ def free_port_block(count: int, attempts: int = 200) -> int:
     raise LabError(f"no block of {count} free ports on {HOST} in {low}-{high}")
 
 
+def distinct_free_block(count: int, taken: set[int], attempts: int = 100) -> int:
+    """A base of `count` ports free now and none of them in `taken`: ports handed out but maybe
+    not bound yet, which free_port_block cannot see."""
+    for _ in range(attempts):
+        base = free_port_block(count)
+        if taken.isdisjoint(range(base, base + count)):
+            return base
+    raise LabError(f"no block of {count} free ports on {HOST} apart from {len(taken)} handed out")
+
+
 def die_with_parent(parent: int) -> Callable[[], None] | None:
     """A preexec_fn: SIGKILL this child when the thread that forked it exits (Linux only)."""
     if _prctl is None:

@@ -281,7 +281,7 @@ class World:
         # An engine that never became ready says why in its agent's log.
         for s in rows:
             if (s.failed_reason or "").startswith("load deadline"):
-                listing += f"\n{s.name}'s agent: {self.agent_log_tail(s.name, 'replica')}"
+                listing += f"\n{s.name}'s agent: {self.colo.agent_log_tail(s.name, 'replica')}"
         try:
             autopilot = json.dumps(self.autopilot())
         except (httpx.HTTPError, AssertionError) as exc:
@@ -289,13 +289,6 @@ class World:
         return f"servers: {listing}\nautopilot: {autopilot}\n{self.service.tail()}"
 
     # -- the lab -----------------------------------------------------------------------------
-
-    def agent_log_tail(self, name: str, needle: str = "", lines: int = 5) -> str:
-        try:
-            text = (self.workdir / "servers" / name / "agent.log").read_text(errors="replace")
-        except OSError:
-            return ""
-        return " | ".join([line for line in text.splitlines() if needle in line][-lines:])
 
     def protocol(self, name: str) -> str:
         return str(self.colo.state()["servers"][name]["protocol"])

@@ -261,9 +261,14 @@ class World:
             return f"{', '.join(failed)} failed" if failed else None
 
         def why() -> str:
+            # A late server's Events, and its agent's last words on its engine and the fleet.
             states = self.states()
             late = [n for n in names if states[n] != "serving"]
-            return self.why() + "".join(f"\n{n}: {self.history(n)}" for n in late)
+            return self.why() + "".join(
+                f"\n{n}: {self.history(n)}\n{n}'s agent: {self.colo.agent_log_tail(n, 'replica')}"
+                f" | {self.colo.agent_log_tail(n, 'WARNING')}"
+                for n in late
+            )
 
         wait_for(
             f"{len(names)} servers serving",
