@@ -9,10 +9,15 @@ The model is small on purpose (a forecasting library would bring numba or a data
 for what a seasonal profile does; docs/autoscaler.md, "Predictive scaling"):
 
 - **Seasonal profile.** Demand is requests per minute. The week is cut into `slot_s` slots
-  (15 min) by day of week and time of day, in UTC. For each slot of each past week the
-  minutes' `peak_q` quantile (0.9) and median are taken, then the median of those over the
-  weeks: one spiky week among three moves nothing (robust to spikes), and the within-slot
-  quantile covers the minute-to-minute bursts that a reactive scaler is always too late for.
+  (an hour, AWS predictive scaling's step) by day of week and time of day, in UTC. For each
+  slot of each past week the minutes' `peak_q` quantile (0.9) and median are taken, then the
+  median of those over the weeks: one spiky week among three moves nothing (robust to spikes),
+  and the within-slot quantile covers the minute-to-minute bursts that a reactive scaler is
+  always too late for. The slot is an hour, not a quarter, because a burst that comes every
+  day but at another minute each week falls into another quarter-hour each week, and the
+  median over the weeks then drops it; an hour's quantile keeps it (the week scenario's bursts
+  land at a random minute of each hour: with 15-minute slots the week missed 2-4 times as many
+  requests, for more GPU-hours; docs/sim.md, "A week at fleet scale").
   Where fewer than `min_weeks` weeks cover a slot, the same time of day over the past days
   stands in (daily seasonality); with less than `min_days` of history there is no forecast.
 - **Level.** Recent demand against the profile: the median, over the last `level_window_s`,
@@ -29,12 +34,14 @@ for what a seasonal profile does; docs/autoscaler.md, "Predictive scaling"):
   minutes of the last week. A request runs longer in a fuller batch, so a half-busy minute
   overstates what a server carries at the ceiling (~84 % of its capacity instead of 75 % in
   the week scenario); taking only the busiest tenth (`busiest=0.1`) corrects it, but with the
-  within-slot p90 the week then cost 9.7–10.8 % more GPU-hours than reactive scaling for
-  99.8 % attainment, and with a p75 it was dominated by the median (docs/sim.md, "A week at
-  fleet scale"). With too few busy minutes there is no capacity and no forecast.
-- **Accuracy.** Each minute's point forecast (median × level, made `lead` ahead) is scored
-  against what came (`Accuracy`): its weighted absolute percentage error over `error_window_s`
-  above `max_error` switches the forecast off (the service writes an Event), at or under
+  within-slot p90 (of 15-minute slots, then) the week cost 9.7–10.8 % more GPU-hours than
+  reactive scaling for 99.8 % attainment, and with a p75 it was dominated by the median
+  (docs/sim.md, "A week at fleet scale"). With too few busy minutes there is no capacity and
+  no forecast.
+- **Accuracy.** Each minute's point forecast (the profile's median there, read linearly
+  between slot centres, × level, made `lead` ahead) is scored against what came
+  (`Accuracy`): its weighted absolute percentage error over `error_window_s` above
+  `max_error` switches the forecast off (the service writes an Event), at or under
   `resume_error` on again. Off, it keeps forecasting and scoring, and only stops acting.
 """
 
@@ -58,6 +65,7 @@ __all__ = [
 ]
 
 MINUTE_S = 60.0
+SLOT_S = 3600.0  # ForecastConfig.slot_s's default
 RESUME_ERROR = 0.25  # ForecastConfig.resume_error's default
 PEAK_Q = 0.9  # ForecastConfig.peak_q's default
 DAY_S = 86_400.0
@@ -66,7 +74,7 @@ WEEK_S = 7 * DAY_S
 
 @dataclass(frozen=True, slots=True)
 class ForecastConfig:
-    slot_s: float = 900.0  # profile slots: 15 minutes
+    slot_s: float = SLOT_S  # profile slots: an hour (module docstring)
     weeks: int = 4  # history the profile is fitted on
     min_weeks: int = 2  # weeks covering a slot for the weekly profile; else the daily one
     min_days: float = 1.0  # less history than this: no forecast
@@ -257,11 +265,26 @@ def forecast(
         t += c.slot_s
     if not bases:
         return None
-    ahead = profile.figure(now + lead_s)
-    point = ahead[0].median * level if ahead is not None else 0.0
+    point = _median_at(profile, now + lead_s) * level
     kind = "weekly" if bases == {"weekly"} else "daily" if bases == {"daily"} else "mixed"
     unit = "weeks" if kind == "weekly" else "periods" if kind == "mixed" else "days"
     return Forecast(now, peak * level, point, level, f"{kind} on {basis_n} {unit}")
+
+
+def _median_at(profile: Profile, at: float) -> float:
+    """The profile's median at `at`, linear between the centres of its slots (an hour's
+    median stands for its middle minute: on a ramp, the slot's ends are off by half an hour's
+    change); 0.0 where the profile has no figure."""
+    slot = profile.config.slot_s
+    offset = at % slot - slot / 2
+    here = profile.figure(at)
+    there = profile.figure(at + math.copysign(slot, offset))
+    if here is None:
+        return 0.0
+    if there is None:
+        return here[0].median
+    weight = abs(offset) / slot
+    return (1 - weight) * here[0].median + weight * there[0].median
 
 
 def servers_for(peak_rpm: float, per_server_rps: float) -> int:

@@ -97,7 +97,7 @@ class DemandModel(_Strict):
 
 class ForecastModel(_Strict):
     refit_s: float = Field(default=3600.0, gt=0)
-    slot_s: float = 900.0
+    slot_s: float = fc.SLOT_S
     weeks: int = Field(default=4, ge=1)
     peak_q: float = Field(default=fc.PEAK_Q, gt=0, le=1)
     max_error: float = Field(default=0.35, gt=0)

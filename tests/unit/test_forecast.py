@@ -35,6 +35,13 @@ def _range(start: float, end: float) -> list[float]:
     return [start + 60.0 * i for i in range(n)]
 
 
+def touched(now: float, lead_s: float) -> tuple[float, float]:
+    """The span of the profile's slots that [now, now + lead_s] touches."""
+    slot = CFG.slot_s
+    end = now + lead_s
+    return now - now % slot, end - end % slot + slot
+
+
 def test_monday_is_a_monday() -> None:
     assert int(((MONDAY // DAY) + 3) % 7) == 0 and MONDAY % DAY == 0
 
@@ -46,9 +53,9 @@ def test_the_weekly_profile_forecasts_the_peak_one_boot_ahead() -> None:
     got = fc.forecast(profile, history[-60:], now, lead_s=900.0)
     assert got is not None
     assert got.basis == "weekly on 3 weeks"
-    # The largest minute over [06:00, 06:30] (the rising side of the cosine) and its slots'
-    # p90: the forecast covers the end of the horizon, not the minute now.
-    window = [demand(t) for t in _range(now, now + 1800)]
+    # The largest minute of the slots [06:00, 06:15] touches (the rising side of the cosine)
+    # and their p90: the forecast covers the end of the horizon, not the minute now.
+    window = [demand(t) for t in _range(*touched(now, 900.0))]
     assert max(window) * 0.97 <= got.peak_rpm <= max(window) * 1.01
     assert got.level == pytest.approx(1.0, abs=0.01)
     assert got.point_rpm == pytest.approx(demand(now + 900), rel=0.03)
@@ -73,7 +80,7 @@ def test_with_days_but_not_weeks_the_daily_profile_stands_in() -> None:
     history = minutes(MONDAY, now)
     got = fc.forecast(fc.fit(history, now, CFG), history[-60:], now, 900)
     assert got is not None and got.basis == "daily on 3 days"
-    window = [demand(t) for t in _range(now, now + 1800)]
+    window = [demand(t) for t in _range(*touched(now, 900.0))]
     assert got.peak_rpm == pytest.approx(max(window), rel=0.03)
 
 
