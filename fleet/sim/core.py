@@ -388,7 +388,9 @@ class Simulation:
             return
         now = self.now
         weight = strategy.prefill_weight
-        cost = request.prompt_tokens * weight + request.expected_output  # request.cost(weight)
+        prompt = request.prompt_tokens
+        output = request.expected_output
+        cost = prompt * weight + output  # request.cost(weight)
         replicas = dep.pool.replicas
         bar = math.inf  # the completion time of an available idle replica (the first)
         for url, j in dep.idle.items():
@@ -403,13 +405,25 @@ class Simulation:
                 break
         for url, pair in decoding.items():
             m = pair[1]
-            # a floor under its completion time: the queue part with output_left 0 (no more
-            # than with any figure ≥ 0)
+            if not (m.ready and m.inflight < m.limit and now >= m.ejected_until):
+                continue  # not scored
+            # A floor under its completion time: both parts of CompletionTime.choose's max
+            # with output_left 0 (each is no more than with any figure ≥ 0). Beaten by that
+            # idle one whatever it has left when the floor is above the bar.
             capacity = m.capacity
             if (m.prompt_inflight * weight + cost) / (1e-9 if capacity < 1e-9 else capacity) > bar:
-                continue  # beaten by that idle one whatever it has left
-            if m.ready and m.inflight < m.limit and now >= m.ejected_until:  # else not scored
-                todo.append((url, pair))
+                continue  # the queue part
+            token_s = m.token_s
+            if token_s > 0.0:  # own_seconds: its batch is slower than the idle one's
+                iter_s = m.iter_s
+                itl = (
+                    iter_s
+                    + token_s * (m.inflight + 1)
+                    + m.kv_s * (m.prompt_inflight + prompt + 0.5 * output)
+                )
+                if iter_s + token_s * prompt + output * itl > bar:
+                    continue
+            todo.append((url, pair))
 
     def _try_route(self, dep: _Dep, r: SimRequest) -> bool:
         pool = dep.pool
