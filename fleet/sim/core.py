@@ -112,6 +112,22 @@ class DeploymentSpec:
         return sum(n for _, n in self.replicas)
 
 
+class _Due:
+    """An engine's block end on the event heap, ordered by (time, sequence). A compiled class
+    with its own `__lt__` compares in one call where a (time, seq, engine) tuple took three
+    (the heap is ~100,000 deep at 100,000 GPUs)."""
+
+    __slots__ = ("engine", "seq", "t")
+
+    def __init__(self, t: float, seq: int, engine: Engine) -> None:
+        self.t = t
+        self.seq = seq
+        self.engine = engine
+
+    def __lt__(self, other: _Due) -> bool:
+        return self.t < other.t or (self.t == other.t and self.seq < other.seq)
+
+
 @dataclass
 class _Dep:
     spec: DeploymentSpec
@@ -251,7 +267,7 @@ class Simulation:
                 dep.target = spec.engines
                 if a.calendar:
                     dep.calendar = Calendar(spec.name, a.calendar, start, calendar_interval_s)
-        self._heap: list[tuple[float, int, Engine]] = []
+        self._heap: list[_Due] = []
 
     # --- engines joining and leaving -----------------------------------------------------------
 
@@ -444,14 +460,14 @@ class Simulation:
             b = engine.block
             if b is not None:  # as _schedule
                 self._seq += 1
-                heapq.heappush(self._heap, (b.end, self._seq, engine))
+                heapq.heappush(self._heap, _Due(b.end, self._seq, engine))
         return True
 
     def _schedule(self, engine: Engine) -> None:
         t = engine.next_time
         if t < math.inf:
             self._seq += 1
-            heapq.heappush(self._heap, (t, self._seq, engine))
+            heapq.heappush(self._heap, _Due(t, self._seq, engine))
 
     def _pump(self, dep: _Dep) -> None:
         while dep.waiting:
@@ -828,7 +844,7 @@ class Simulation:
         engine_index = self._engine_index
         tickets = self._tickets
         while True:
-            te = heap[0][0] if heap else inf
+            te = heap[0].t if heap else inf
             ta = requests[i].arrival if i < n else inf
             if (
                 te == inf
@@ -838,7 +854,8 @@ class Simulation:
                 break  # nothing left to happen (waiting requests with no boot to come: stuck)
             tt = timers[0][0] if timers else inf
             if te <= ta and te <= tt:
-                t, _, engine = heappop(heap)
+                due = heappop(heap)
+                t, engine = due.t, due.engine
                 b = engine.block
                 if b is None or b.end != t:  # superseded (a cut or a replan)
                     continue
@@ -850,7 +867,7 @@ class Simulation:
                 b = engine.block
                 if b is not None:  # as _schedule
                     self._seq += 1
-                    heappush(heap, (b.end, self._seq, engine))
+                    heappush(heap, _Due(b.end, self._seq, engine))
                 for r in finished:
                     ticket = tickets.pop(r.rid)
                     ticket.output_seen = r.output
