@@ -245,3 +245,39 @@ def test_example_scenario_loads() -> None:
     a = sc.deployments[0].spec().autoscale
     assert a is not None and a.warm_pool is None and a.boot.p90_s > a.boot.mean_s
     assert sc.warm_pool == {"H100": 6}
+
+
+@pytest.mark.parametrize("load", [0.3, 0.8, 1.2])
+@pytest.mark.parametrize("strategy", ["estimated_completion_time", "model_affinity"])
+def test_skipping_busy_replicas_that_cannot_win_changes_no_choice(
+    strategy: str, load: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Simulation._open_to` leaves a busy replica's output_left unread when a floor under its
+    completion time (queue part and own-time part, with nothing left to write) already loses
+    to an idle replica's. The run must be the one where every replica is read afresh before
+    every choice: same replica, same times, for every request (a light, a full and an
+    overloaded mixed fleet, where the own-time part decides). model_affinity (over
+    prefix_aware) takes the floor only for requests without prefix blocks: these have none."""
+    from fleet.sim import sessions as ss
+
+    fleet = (("H200", 2), ("H100", 2), ("L40S", 2))
+
+    def run_it() -> list[tuple[int, float, float, float]]:
+        spec = DeploymentSpec("llama", "llama-3.1-8b", fleet, strategy=strategy, max_batch_size=8)
+        requests = ss.multi_turn(spec, load=load, count=300)
+        if strategy == "model_affinity":
+            requests = [
+                SimRequest(r.rid, r.arrival, r.prompt, r.output, r.max_tokens) for r in requests
+            ]
+        result = Simulation([spec], seed=0).run(requests)
+        index = {id(e): k for k, (_, e) in enumerate(result.engines)}
+        return [(index[r.engine], r.start, r.first_token, r.finish) for r in result.requests]
+
+    skipping = run_it()
+    # Every busy replica scored afresh, as for the strategies the floor does not cover
+    monkeypatch.setattr(
+        Simulation,
+        "_open_to",
+        lambda self, dep, request, decoding, todo: todo.extend(decoding.items()),
+    )
+    assert run_it() == skipping
