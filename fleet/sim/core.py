@@ -52,7 +52,7 @@ from fleet.provisioning.escalation import escalate
 from fleet.router.admission import AdmissionQueue
 from fleet.router.config import RouterSettings
 from fleet.router.estimates import Throughput, iteration_costs, prior_capacity, stream_rate
-from fleet.router.pool import DeploymentPool, Ticket
+from fleet.router.pool import DeploymentPool
 from fleet.router.strategy import (
     CompletionTime,
     ModelAffinity,
@@ -209,7 +209,6 @@ class Simulation:
         self.off_at: list[float | None] = []  # when it left (None: still there at the end)
         self.booting_s = 0.0
         self._engine_index: dict[int, tuple[_Dep, Engine, int]] = {}
-        self._tickets: dict[int, Ticket] = {}
         self._rng = random.Random(seed * 7919 + 17)
         self.shared_warm: dict[str, int] = {g: n for g, n in warm_pool if n > 0}
         # Placement (fleet/sim/racks.py): the shared warm pool as servers in racks.
@@ -281,6 +280,7 @@ class Simulation:
             chunked_prefill=spec.chunked_prefill,
             per_iteration=self.per_iteration,
         )
+        engine.owner = dep.index
         self._engine_index[id(engine)] = (dep, engine, len(self.engine_list))
         self.engine_list.append((gpu, engine))
         self.on_at.append(on_at)
@@ -449,7 +449,7 @@ class Simulation:
         replica = pool._choose(request, _NOTHING)
         if replica is None:
             return False
-        self._tickets[r.rid] = pool._book(replica, request)
+        r.ticket = pool._book(replica, request)
         r.routed = now
         r.expected = request.expected_output
         url = replica.url
@@ -794,7 +794,9 @@ class Simulation:
         the others fail."""
         retry: list[SimRequest] = []
         for r in requests:
-            ticket = self._tickets.pop(r.rid)
+            ticket = r.ticket
+            assert ticket is not None
+            r.ticket = None
             dep.pool.release(ticket, output_tokens=0, ok=False, failed=False)
             if r.first_token != r.first_token and r.retries + 1 < ROUTER_ATTEMPTS:
                 r.retries += 1
@@ -841,8 +843,6 @@ class Simulation:
             self.books.sample(first, {})  # the first sample starts here
         inf = math.inf
         heappop, heappush = heapq.heappop, heapq.heappush
-        engine_index = self._engine_index
-        tickets = self._tickets
         while True:
             te = heap[0].t if heap else inf
             ta = requests[i].arrival if i < n else inf
@@ -861,7 +861,7 @@ class Simulation:
                     continue
                 self.now = t
                 events += 1
-                dep = engine_index[id(engine)][0]
+                dep = deps[engine.owner]
                 finished = engine.advance()
                 dep.dirty[engine.url] = engine
                 b = engine.block
@@ -869,7 +869,9 @@ class Simulation:
                     self._seq += 1
                     heappush(heap, _Due(b.end, self._seq, engine))
                 for r in finished:
-                    ticket = tickets.pop(r.rid)
+                    ticket = r.ticket
+                    assert ticket is not None
+                    r.ticket = None
                     ticket.output_seen = r.output
                     dep.pool.release(ticket, output_tokens=r.output, ok=True, failed=False)
                     if dep.spec.autoscale is not None:

@@ -41,11 +41,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from math import sqrt
 from typing import Literal, Protocol
 
+from fleet.router.pool import Ticket
 from fleet_core import cost_model, power_model
 from fleet_core.cost_model import EngineShape
 
@@ -75,6 +76,7 @@ class SimRequest:
     expected: float = 0.0  # the router's expected output at booking
     failed: bool = False  # lost to a fault after its first token (fleet/sim/faults.py)
     retries: int = 0  # re-routed after its engine went away before its first token
+    ticket: Ticket | None = field(default=None, repr=False)  # the router's booking in flight
     # Engine state
     computed: int = 0  # prompt tokens computed
     reserved: int = 0  # KV blocks reserved (prompt + max_tokens)
@@ -160,6 +162,7 @@ class Engine:
         self.busy_s = 0.0
         self.iterations = 0
         self.url = ""  # the owner's name for it (the simulation's replica URL)
+        self.owner = -1  # the owner's index of it (the simulation's deployment)
         self._tokens_per_block = shape.tokens_per_block
         # iteration_seconds of prefill iterations, by (decodes, prompt tokens, KV read): the
         # same figures, shared by the engines of one shape
