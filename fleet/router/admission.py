@@ -26,22 +26,26 @@ class AdmissionQueue(Generic[T]):
             raise ValueError("the queue bound must be at least 0")
         self.bound = bound
         self._waiting: dict[Priority, deque[T]] = {p: deque() for p in PRIORITIES}
+        self._size = 0  # both classes (asked after every request: kept, not summed)
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._waiting.values())
+        return self._size
 
     def depth(self, priority: Priority) -> int:
         return len(self._waiting[priority])
 
     def push(self, item: T, priority: Priority) -> bool:
         """Queue `item`; False when the queue is full (the caller answers 429)."""
-        if len(self) >= self.bound:
+        if self._size >= self.bound:
             return False
         self._waiting[priority].append(item)
+        self._size += 1
         return True
 
     def ordered(self) -> list[T]:
         """Every waiting item, in the order `pop` would return them."""
+        if not self._size:
+            return []
         return [item for priority in PRIORITIES for item in self._waiting[priority]]
 
     def peek(self) -> T | None:
@@ -55,6 +59,7 @@ class AdmissionQueue(Generic[T]):
         """The next item to admit: the oldest interactive one, else the oldest batch one."""
         for priority in PRIORITIES:
             if self._waiting[priority]:
+                self._size -= 1
                 return self._waiting[priority].popleft()
         return None
 
@@ -63,6 +68,7 @@ class AdmissionQueue(Generic[T]):
         for queue in self._waiting.values():
             try:
                 queue.remove(item)
+                self._size -= 1
                 return True
             except ValueError:
                 continue

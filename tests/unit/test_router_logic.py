@@ -137,8 +137,11 @@ def test_the_queue_is_bounded_and_interactive_leaves_first() -> None:
     assert (queue.depth("interactive"), queue.depth("batch"), len(queue)) == (1, 2, 3)
     assert queue.peek() == "i1"
     assert [queue.pop(), queue.pop()] == ["i1", "b1"]
+    assert len(queue) == 1 and queue.ordered() == ["b2"]
     assert queue.remove("b2") and not queue.remove("b2")
     assert queue.pop() is None and queue.peek() is None
+    assert len(queue) == 0 and queue.ordered() == []
+    assert queue.push("i3", "interactive") and len(queue) == 1  # room again
     with pytest.raises(ValueError):
         AdmissionQueue(-1)
 
