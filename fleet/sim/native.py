@@ -1,4 +1,4 @@
-"""The simulator's hot modules compiled with mypyc: the same source, about 4× faster.
+"""The simulator's hot modules compiled with mypyc: the same source, 4–8× faster (bench/sim.py).
 
 A simulated request spends its time in six modules: the engine (fleet/sim/engine.py), the
 loop (fleet/sim/core.py) and the router's strategy, pool, estimates and admission queue that
