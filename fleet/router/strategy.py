@@ -229,9 +229,12 @@ class CompletionTime(_Scored):
     prefix_credit: float = 1.0
 
     def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
-        rotated = self._rotated(replicas, now)
-        if not rotated:
+        # self._rotated(replicas, now), walked in place instead of copied (one choice a request)
+        candidates = _open(replicas, now)
+        n = len(candidates)
+        if not n:
             return None
+        offset = next(self._turn) % n
         weight = self.prefill_weight
         full = request.cost(weight)
         prompt = request.prompt_tokens
@@ -241,7 +244,9 @@ class CompletionTime(_Scored):
         best = None
         best_t = best_n = 0.0
         inf = _INF
-        for r in rotated:  # as completion_time(r, request, weight), float(r.inflight)
+        for i in range(n):  # as completion_time(r, request, weight), float(r.inflight)
+            k = offset + i
+            r = candidates[k if k < n else k - n]
             cached = r.prefix.cached(blocks, prompt) if blocks else 0.0  # the prefix credit
             # The queue view takes the credit (a bonus: it may go below the request's own
             # work); the floors below take only the prefill really skipped.
