@@ -49,6 +49,7 @@ from fleet_core.fault_policy import Assessment, RepairAction, Verdict, assess
 from fleet_core.telemetry import GpuSample, GpuTelemetry, Snapshot, XidEvent
 from fleet_core.wire import (
     MAX_REASONS,
+    MAX_REPLICA_ERROR,
     MAX_XIDS,
     Assignment,
     GpuFound,
@@ -590,6 +591,9 @@ def _replica_report(stats: dict[str, Any]) -> ReplicaStatus:
     """The supervisor's stats of one replica, as the report carries them (the rest stays local).
     A figure the report cannot carry (an engine's odd value) is left out, not the heartbeat."""
     fields = {key: stats.get(key) for key in _REPLICA_FIELDS}
+    error = stats.get("last_error")
+    if isinstance(error, str) and error.strip():  # one line, within the report's bound
+        fields["error"] = " ".join(error.split())[:MAX_REPLICA_ERROR]
     try:
         return ReplicaStatus.model_validate(fields)
     except ValidationError as exc:

@@ -24,6 +24,7 @@ from fleet_core.fault_policy import RepairAction, Verdict
 MAX_GPUS = 64
 MAX_REASONS = 256
 MAX_CACHE_ENTRIES = 256
+MAX_REPLICA_ERROR = 500  # characters of a replica's last error in a heartbeat
 REGISTER_PATH = "/api/v1/agent/register"
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
 
@@ -136,6 +137,10 @@ class ReplicaStatus(_Strict):
     preemptions: int | None = Field(default=None, ge=0)
     version: str | None = Field(default=None, max_length=130)  # the model version it serves
     engine: str | None = Field(default=None, max_length=16)  # trtllm | vllm | sglang
+    # Its supervisor's last error, one line: an engine's exit code and last log line, a load
+    # timeout, a version the agent does not drive. With state "failed" the fleet fails a loading
+    # server at once, saying this, instead of waiting out its load deadline.
+    error: str | None = Field(default=None, max_length=MAX_REPLICA_ERROR)
 
 
 class CachedVersion(_Strict):

@@ -500,6 +500,20 @@ class ProvisionTick:
                 session.add(server)
                 session.commit()
                 return
+            # A replica its supervisor gave up on (crashes in a row, a version the agent does
+            # not drive) will not come ready by the deadline: fail now, with its error.
+            failed = [r for r in replicas if r.get("state") == "failed"] if fresh else []
+            if failed:
+                first = failed[0]
+                why = first.get("error") or "no error reported"
+                self._fail(
+                    session,
+                    server,
+                    f"replica {first.get('index', '?')} failed ({len(failed)} of "
+                    f"{len(replicas)} failed): {why}",
+                )
+                session.commit()
+                return
             if self._elapsed(started) > s.load_deadline_s:
                 self._fail(
                     session,

@@ -169,6 +169,14 @@ def test_four_replicas_of_two_gpus_start_serve_and_restart(rig: Rig) -> None:
     wait_for("ready again", rig.ready)
     again = rig.state()["replicas"][1]
     assert again["restarts"] == 1 and again["pid"] != victim["pid"]
+    # The heartbeat carries its last error, one line (a `failed` one fails a loading server).
+    wait_for(
+        "a heartbeat with the crash",
+        lambda: (rig.fleet.last().get("replicas") or [{}, {}])[1].get("error", "") or "",
+    )
+    said = rig.fleet.last()["replicas"][1]["error"]
+    assert said.startswith("engine exited with code") and "\n" not in said, said
+    assert rig.fleet.last()["replicas"][0].get("error") is None
 
 
 def stream(url: str, prompt: str, chunks: list[str], started: threading.Event) -> None:

@@ -300,6 +300,41 @@ def test_boot_and_load_deadlines_fail_with_the_reason(db: Engine, fleet: dict[st
     assert "load deadline" in (row(db, other).failed_reason or "")
 
 
+def test_a_replica_its_supervisor_failed_fails_the_load_at_once_with_its_error(
+    db: Engine, fleet: dict[str, Any]
+) -> None:
+    """A replica in `failed` (crashes in a row, a refused engine version) will not come ready:
+    the server fails at the next step with the replica's error, not after the load deadline.
+    One still restarting is waited for."""
+    [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
+    tick(db)  # power on
+    agent_reports(db, name, agent_registered_at="now")
+    tick(db)  # -> loading
+    assert row(db, name).state == S.LOADING
+    crashed = "engine exited with code 1: CUDA error: out of memory"
+    restarting = [
+        {"index": 0, "state": "ready"},
+        {"index": 1, "state": "restarting", "error": crashed},
+    ]
+    agent_reports(db, name, replicas=restarting)
+    tick(db)
+    assert row(db, name).state == S.LOADING, "a restarting replica may still load"
+    failed = [{"index": 0, "state": "ready"}, {"index": 1, "state": "failed", "error": crashed}]
+    agent_reports(db, name, replicas=failed)
+    tick(db)  # the load deadline is 60 s away
+    server = row(db, name)
+    assert server.state == S.FAILED
+    assert server.failed_reason == f"replica 1 failed (1 of 2 failed): {crashed}"
+    # An agent from before the field says only the state
+    [other] = [n for n, s in states(db).items() if s == "booting"]
+    tick(db)
+    agent_reports(db, other, agent_registered_at="now")
+    tick(db)
+    agent_reports(db, other, replicas=[{"index": 0, "state": "failed"}])
+    tick(db)
+    assert row(db, other).failed_reason == "replica 0 failed (1 of 1 failed): no error reported"
+
+
 def _remediate(db: Engine, name: str, action: str = "reboot") -> None:
     agent_reports(db, name, health_action=action, health_reasons=[{"code": "xid_79", "gpu": 0}])
     tick(db)  # -> draining
