@@ -41,7 +41,7 @@ from fleet.console.elevation import STATE_GROUP, elevation, power_bars
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError
 from fleet.inventory.servers import ServerFilter, get_server, list_gpus, list_servers
-from fleet.inventory.sites import get_rack, list_feeds, list_racks
+from fleet.inventory.sites import count_racks, get_rack, list_feeds, list_racks
 from fleet.lifecycle import transitions as lifecycle
 from fleet.lifecycle.states import ServerState
 from fleet.models import (
@@ -299,16 +299,18 @@ def _cards(session: Session, settings: Settings, racks: list[RackPublic]) -> lis
 def rack_cards(
     session: Session, settings: Settings, site: str | None, number: int
 ) -> dict[str, Any]:
-    racks = list_racks(session, site, settings=settings)
-    pages = max(1, math.ceil(len(racks) / RACKS_PAGE))
+    total = count_racks(session, site)
+    pages = max(1, math.ceil(total / RACKS_PAGE))
     number = min(max(number, 1), pages)
-    shown = racks[(number - 1) * RACKS_PAGE : number * RACKS_PAGE]
+    shown = list_racks(
+        session, site, settings=settings, offset=(number - 1) * RACKS_PAGE, limit=RACKS_PAGE
+    )
     return {
         "cards": _cards(session, settings, shown),
         "site": site or "",
         "number": number,
         "pages": pages,
-        "total": len(racks),
+        "total": total,
     }
 
 

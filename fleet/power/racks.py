@@ -142,8 +142,12 @@ def rack_views(
     now: datetime | None = None,
     settings: Settings | None = None,
     with_history: bool = True,
+    offset: int = 0,
+    limit: int | None = None,
 ) -> list[RackView]:
-    """Every rack (or the one asked) with its power: a server counts as on when its state or
+    """Every rack (or the one asked; or the page `offset`, `limit` of them in name order: a
+    page's racks are read and computed, not the site's) with its power: a server counts as on
+    when its state or
     its BMC says so, or while the budget gate's write-ahead commitment holds
     (`power_committed_until`, fleet/power/gate.py); on, it commits its maximum in a
     `nameplate` rack and its measured commitment in a `measured` one. Drawn power sums the
@@ -157,7 +161,7 @@ def rack_views(
         query = query.where(Site.name == site)
     if rack is not None:
         query = query.where(Rack.name == rack)
-    racks = list(session.exec(query))
+    racks = list(session.exec(query.offset(offset).limit(limit)))
     by_id = {r.id: r for r, _ in racks}
     ids = list(by_id)
     feeds: dict[int, list[Feed]] = {}
