@@ -505,7 +505,8 @@ class ProvisionTick:
             failed = [r for r in replicas if r.get("state") == "failed"] if fresh else []
             if failed:
                 first = failed[0]
-                why = first.get("error") or "no error reported"
+                # One line, whatever the agent sent (the agent's own collapses it too)
+                why = " ".join(str(first.get("error") or "no error reported").split())
                 self._fail(
                     session,
                     server,

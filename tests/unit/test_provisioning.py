@@ -333,6 +333,18 @@ def test_a_replica_its_supervisor_failed_fails_the_load_at_once_with_its_error(
     agent_reports(db, other, replicas=[{"index": 0, "state": "failed"}])
     tick(db)
     assert row(db, other).failed_reason == "replica 0 failed (1 of 1 failed): no error reported"
+    # A hostile or broken agent's line breaks do not reach the reason (shown, exported)
+    [third] = [n for n, s in states(db).items() if s == "booting"][:1]
+    tick(db)
+    agent_reports(db, third, agent_registered_at="now")
+    tick(db)
+    forged = {"index": 0, "state": "failed", "error": "oom\nINFO fleet: all is well\r\n"}
+    agent_reports(db, third, replicas=[forged])
+    tick(db)
+    assert (
+        row(db, third).failed_reason
+        == "replica 0 failed (1 of 1 failed): oom INFO fleet: all is well"
+    )
 
 
 def _remediate(db: Engine, name: str, action: str = "reboot") -> None:
