@@ -300,6 +300,18 @@ def test_boot_and_load_deadlines_fail_with_the_reason(db: Engine, fleet: dict[st
     assert "load deadline" in (row(db, other).failed_reason or "")
 
 
+def _loading_with(db: Engine, name: str, replicas: list[dict[str, Any]]) -> Server:
+    """Walk a booting server to loading, then let its agent report `replicas`: the row after
+    the next step."""
+    tick(db)  # power on
+    agent_reports(db, name, agent_registered_at="now")
+    tick(db)  # -> loading
+    assert row(db, name).state == S.LOADING
+    agent_reports(db, name, replicas=replicas)
+    tick(db)  # the load deadline is 60 s away
+    return row(db, name)
+
+
 def test_a_replica_its_supervisor_failed_fails_the_load_at_once_with_its_error(
     db: Engine, fleet: dict[str, Any]
 ) -> None:
@@ -307,44 +319,24 @@ def test_a_replica_its_supervisor_failed_fails_the_load_at_once_with_its_error(
     the server fails at the next step with the replica's error, not after the load deadline.
     One still restarting is waited for."""
     [name] = boot_spares(db, fleet["deployment"], 1, "operator:test", raise_target=True).booted
-    tick(db)  # power on
-    agent_reports(db, name, agent_registered_at="now")
-    tick(db)  # -> loading
-    assert row(db, name).state == S.LOADING
     crashed = "engine exited with code 1: CUDA error: out of memory"
-    restarting = [
-        {"index": 0, "state": "ready"},
-        {"index": 1, "state": "restarting", "error": crashed},
-    ]
-    agent_reports(db, name, replicas=restarting)
+    ready = {"index": 0, "state": "ready"}
+    restarting = [ready, {"index": 1, "state": "restarting", "error": crashed}]
+    assert _loading_with(db, name, restarting).state == S.LOADING, "it may still load"
+    agent_reports(db, name, replicas=[ready, {"index": 1, "state": "failed", "error": crashed}])
     tick(db)
-    assert row(db, name).state == S.LOADING, "a restarting replica may still load"
-    failed = [{"index": 0, "state": "ready"}, {"index": 1, "state": "failed", "error": crashed}]
-    agent_reports(db, name, replicas=failed)
-    tick(db)  # the load deadline is 60 s away
     server = row(db, name)
     assert server.state == S.FAILED
     assert server.failed_reason == f"replica 1 failed (1 of 2 failed): {crashed}"
-    # An agent from before the field says only the state
-    [other] = [n for n, s in states(db).items() if s == "booting"]
-    tick(db)
-    agent_reports(db, other, agent_registered_at="now")
-    tick(db)
-    agent_reports(db, other, replicas=[{"index": 0, "state": "failed"}])
-    tick(db)
-    assert row(db, other).failed_reason == "replica 0 failed (1 of 1 failed): no error reported"
-    # A hostile or broken agent's line breaks do not reach the reason (shown, exported)
-    [third] = [n for n, s in states(db).items() if s == "booting"][:1]
-    tick(db)
-    agent_reports(db, third, agent_registered_at="now")
-    tick(db)
-    forged = {"index": 0, "state": "failed", "error": "oom\nINFO fleet: all is well\r\n"}
-    agent_reports(db, third, replicas=[forged])
-    tick(db)
-    assert (
-        row(db, third).failed_reason
-        == "replica 0 failed (1 of 1 failed): oom INFO fleet: all is well"
-    )
+
+    # The replacements: an agent from before the field says only the state; a hostile or
+    # broken one's line breaks do not reach the reason (shown, exported).
+    forged = "oom\nINFO fleet: all is well\r\n"
+    for error, said in ((None, "no error reported"), (forged, "oom INFO fleet: all is well")):
+        booting = [n for n, s in states(db).items() if s == "booting"]
+        failed = {"index": 0, "state": "failed"} | ({"error": error} if error else {})
+        server = _loading_with(db, booting[0], [failed])
+        assert server.failed_reason == f"replica 0 failed (1 of 1 failed): {said}"
 
 
 def _remediate(db: Engine, name: str, action: str = "reboot") -> None:
