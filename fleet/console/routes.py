@@ -38,6 +38,7 @@ from fleet.calendar.entries import list_entries
 from fleet.console import session as sessions
 from fleet.console.charts import Chart, line_chart
 from fleet.console.elevation import STATE_GROUP, elevation, power_bars
+from fleet.console.event_watch import EventWatch
 from fleet.crypto import SecretBox
 from fleet.errors import FleetError
 from fleet.inventory.servers import ServerFilter, get_server, list_gpus, list_servers
@@ -68,6 +69,7 @@ PAGE = 50  # rows per list page; racks per racks page: RACKS_PAGE
 RACKS_PAGE = 24
 STREAM_S = 600.0  # an event stream ends after this; the browser reconnects
 STREAM_POLL_S = 1.0
+STREAM_RECHECK_S = 30.0  # an open event stream checks its sign-in this often (a revoked token)
 CHART_S = 3 * 3600.0  # the deployments page's charts: the last three hours
 SECURITY_HEADERS = {
     # Our own script and styles only: no inline script, no other origin, no framing.
@@ -649,6 +651,20 @@ def events_page(request: Request, kind: str = "", subject: str = "") -> Response
     )
 
 
+def _event_watch(request: Request) -> EventWatch:
+    """The process's shared watch of the newest event (fleet/console/event_watch.py)."""
+    watch: EventWatch | None = getattr(request.app.state, "event_watch", None)
+    if watch is None:
+        engine = _engine(request)
+
+        def read_newest() -> int:
+            with Session(engine) as session:
+                return int(session.exec(select(sa.func.max(Event.id))).one() or 0)
+
+        watch = request.app.state.event_watch = EventWatch(read_newest, STREAM_POLL_S)
+    return watch
+
+
 def event_row(e: Event) -> str:
     """One event as the feed's table row (escaped: messages are operators' and agents' text)."""
     cells = (e.at.strftime("%Y-%m-%d %H:%M:%S"), e.subject, e.kind, e.actor, e.message)
@@ -664,21 +680,33 @@ async def events_stream(
     if w is None:
         return Response(status_code=401)
 
+    watch = _event_watch(request)
+
     def newer(last: int) -> list[Event]:
         with Session(engine) as session:
             query = _event_query(kind, subject).where(col(Event.id) > last)
             return list(session.exec(query.order_by(col(Event.id)).limit(200)))
 
     async def feed() -> AsyncIterator[str]:
-        last = after
+        last = after  # the newest event this feed sent (its filter's)
+        seen = -1  # the newest event of all when this feed last queried (-1: not yet)
         ends = time.monotonic() + STREAM_S
+        recheck = time.monotonic() + STREAM_RECHECK_S
         yield "retry: 2000\n\n"
         while time.monotonic() < ends:
             if await request.is_disconnected():
                 return
-            for e in await asyncio.to_thread(newer, last):
-                last = e.id or last
-                yield f"id: {last}\ndata: {event_row(e)}\n\n"
+            if time.monotonic() >= recheck:  # signed out or revoked: the stream ends
+                if await asyncio.to_thread(who, request) is None:
+                    return
+                recheck = time.monotonic() + STREAM_RECHECK_S
+            newest = await watch.newest()
+            if newest > seen:  # something happened since (the feed's filter may drop it)
+                rows = await asyncio.to_thread(newer, last)
+                seen = newest if len(rows) < 200 else -1  # a full page: more to read
+                for e in rows:
+                    last = e.id or last
+                    yield f"id: {last}\ndata: {event_row(e)}\n\n"
             await asyncio.sleep(STREAM_POLL_S)
 
     headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}

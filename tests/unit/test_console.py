@@ -345,6 +345,93 @@ def test_the_live_fragments_and_the_event_stream(fleet: Live, db: Engine) -> Non
     assert "test.kind" in data and "&lt;script&gt;" in data and "<script>" not in data
 
 
+def test_the_event_watch_reads_the_database_once_per_interval_whatever_the_callers() -> None:
+    import asyncio
+
+    from fleet.console.event_watch import EventWatch
+
+    newest = [7]
+    clock = [0.0]
+    watch = EventWatch(lambda: newest[0], poll_s=1.0, clock=lambda: clock[0])
+
+    async def many() -> list[int]:
+        return list(await asyncio.gather(*(watch.newest() for _ in range(50))))
+
+    async def scenario() -> None:
+        assert await many() == [7] * 50 and watch.reads == 1
+        newest[0] = 9
+        clock[0] = 0.5  # within the interval: the answer is the last read's
+        assert await many() == [7] * 50 and watch.reads == 1
+        clock[0] = 1.0
+        assert await many() == [9] * 50 and watch.reads == 2
+
+    asyncio.run(scenario())
+
+
+def test_open_event_streams_share_one_poll_and_a_revoked_one_ends(
+    fleet: Live, db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three open feeds cost one newest-id read per interval between them, each still gets
+    its own events; a feed whose token is revoked ends at its next sign-in check."""
+    import threading
+
+    from fleet.console import routes
+
+    monkeypatch.setattr(routes, "STREAM_POLL_S", 0.1)
+    monkeypatch.setattr(routes, "STREAM_RECHECK_S", 0.5)
+    viewer = sign_in(fleet, Role.VIEWER)
+    got: dict[str, list[str]] = {"gpu-01": [], "gpu-02": [], "": []}
+    ended: dict[str, float] = {}
+
+    with Session(db) as s:  # the fixture's own events are not this test's
+        after = max(e.id or 0 for e in s.exec(select(Event)))
+
+    def follow(subject: str) -> None:
+        params: dict[str, str | int] = {"subject": subject, "after": after}
+        with viewer.stream("GET", "/ui/events/stream", params=params, timeout=30) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    got[subject].append(line)
+        ended[subject] = time.monotonic()
+
+    feeds = [threading.Thread(target=follow, args=(s,), daemon=True) for s in got]
+    for t in feeds:
+        t.start()
+    time.sleep(0.5)
+    watch = fleet.app.state.event_watch
+    reads_before, started = watch.reads, time.monotonic()
+    with Session(db) as s:
+        for subject in ("gpu-01", "gpu-02"):
+            s.add(
+                Event(
+                    subject_type="server",
+                    subject=subject,
+                    actor="t",
+                    kind="test.kind",
+                    message=f"about {subject}",
+                    details={},
+                )
+            )
+        s.commit()
+    time.sleep(1.0)
+    reads = watch.reads - reads_before
+    assert all(len(lines) == 1 for subject, lines in got.items() if subject), got
+    assert len(got[""]) == 2 and all("test.kind" in line for line in got[""])
+    assert all(f"about {subject}" in got[subject][0] for subject in ("gpu-01", "gpu-02"))
+    # One read per 0.1 s interval at most, for three feeds (each of its own: three a poll)
+    assert reads <= (time.monotonic() - started) / 0.1 + 2, reads
+
+    admin = fleet.client(fleet.token(Role.ADMIN, name="a"))
+    tokens = admin.get("/api/v1/tokens").json()["results"]
+    mine = next(t for t in tokens if t["name"] == "viewer-1")
+    revoked = time.monotonic()
+    assert admin.delete(f"/api/v1/tokens/{mine['id']}").status_code < 300
+    for t in feeds:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in feeds), "a revoked token's feed went on"
+    assert max(ended.values()) - revoked < 5.0
+
+
 def test_a_chart_breaks_at_missing_minutes_and_counts_minutes_over_its_limit() -> None:
     from fleet.console.charts import HEIGHT, line_chart
 
