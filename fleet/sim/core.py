@@ -208,7 +208,7 @@ class Simulation:
         self.on_at: list[float | None] = []  # per engine: when it started booting (None: start)
         self.off_at: list[float | None] = []  # when it left (None: still there at the end)
         self.booting_s = 0.0
-        self._engine_index: dict[int, tuple[_Dep, Engine, int]] = {}
+        self._engine_slot: dict[int, int] = {}  # id(engine) -> its index in engine_list
         self._rng = random.Random(seed * 7919 + 17)
         self.shared_warm: dict[str, int] = {g: n for g, n in warm_pool if n > 0}
         # Placement (fleet/sim/racks.py): the shared warm pool as servers in racks.
@@ -281,7 +281,7 @@ class Simulation:
             per_iteration=self.per_iteration,
         )
         engine.owner = dep.index
-        self._engine_index[id(engine)] = (dep, engine, len(self.engine_list))
+        self._engine_slot[id(engine)] = len(self.engine_list)
         self.engine_list.append((gpu, engine))
         self.on_at.append(on_at)
         self.off_at.append(None)
@@ -289,7 +289,7 @@ class Simulation:
 
     def _slot(self, engine: Engine) -> tuple[int, str]:
         """The engine's index in `engine_list` (and `on_at`, `off_at`) and its GPU model."""
-        k = self._engine_index[id(engine)][2]
+        k = self._engine_slot[id(engine)]
         return k, self.engine_list[k][0]
 
     def _join(self, dep: _Dep, gpu: str, made: tuple[str, Engine]) -> None:
@@ -946,7 +946,7 @@ class Simulation:
             exhaustions=self.exhaustions,
             faults=self.fault_counts if any(d.spec.faults for d in deps) else None,
             fired=self.fired,
-            engine_deployments=[self._engine_index[id(e)][0].index for _, e in self.engine_list],
+            engine_deployments=[e.owner for _, e in self.engine_list],
             power=None if self.books is None else self.books.report(first + self._power_from_s),
         )
 
