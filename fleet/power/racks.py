@@ -147,8 +147,7 @@ def rack_views(
 ) -> list[RackView]:
     """Every rack (or the one asked; or the page `offset`, `limit` of them in name order: a
     page's racks are read and computed, not the site's) with its power: a server counts as on
-    when its state or
-    its BMC says so, or while the budget gate's write-ahead commitment holds
+    when its state or its BMC says so, or while the budget gate's write-ahead commitment holds
     (`power_committed_until`, fleet/power/gate.py); on, it commits its maximum in a
     `nameplate` rack and its measured commitment in a `measured` one. Drawn power sums the
     servers' fresh readings; peak and p99 come from the rack's stored history, read only
