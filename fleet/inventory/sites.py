@@ -18,7 +18,7 @@ from fleet.models import (
     Site,
     SitePublic,
 )
-from fleet.power.racks import RackView, rack_views, usable_watts
+from fleet.power.racks import RackView, rack_views, racks_query, usable_watts
 from fleet.provisioning.boots import placement_lock
 from fleet.settings import Settings
 
@@ -84,10 +84,9 @@ def rack_public(view: RackView) -> RackPublic:
 
 def count_racks(session: Session, site: str | None = None) -> int:
     """How many racks `list_racks` lists for `site` (all sites: None)."""
-    query = select(sa.func.count()).select_from(Rack)
-    if site is not None:
-        query = query.join(Site).where(Site.name == site)
-    return int(session.exec(query).one())
+    return int(
+        session.exec(select(sa.func.count()).select_from(racks_query(site).subquery())).one()
+    )
 
 
 def list_racks(

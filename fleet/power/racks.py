@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
+from sqlmodel.sql.expression import Select
 
 from fleet.lifecycle.states import draws_max_power
 from fleet.models import BudgetMode, PowerFeed, Rack, Server, Site, as_utc, utcnow
@@ -134,6 +135,16 @@ def commit_watts(
     return {s.name: commits.get(s.name, s.max_w) for s, _ in pairs}
 
 
+def racks_query(site: str | None = None, rack: str | None = None) -> Select[Rack, str]:
+    """(Rack, site name) of `site`'s racks (all: None), or of the one named `rack`."""
+    query = select(Rack, Site.name).join(Site)
+    if site is not None:
+        query = query.where(Site.name == site)
+    if rack is not None:
+        query = query.where(Rack.name == rack)
+    return query
+
+
 def rack_views(
     session: Session,
     site: str | None = None,
@@ -155,11 +166,7 @@ def rack_views(
     placement lock, need headroom only)."""
     now = now or utcnow()
     settings = settings or get_settings()
-    query = select(Rack, Site.name).join(Site).order_by(col(Rack.name))
-    if site is not None:
-        query = query.where(Site.name == site)
-    if rack is not None:
-        query = query.where(Rack.name == rack)
+    query = racks_query(site, rack).order_by(col(Rack.name))
     racks = list(session.exec(query.offset(offset).limit(limit)))
     by_id = {r.id: r for r, _ in racks}
     ids = list(by_id)
