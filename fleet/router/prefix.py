@@ -41,13 +41,13 @@ MAX_BLOCKS = 4096  # leading blocks hashed at most (131,072 tokens: the longest 
 DEFAULT_CAPACITY = 32_768  # blocks, for a replica whose KV capacity is not known (~1 M tokens)
 DECAY = 0.99  # per booking: the promised share is over about the last 100 requests
 MIN_PROMISED = 256.0  # blocks looked up (decayed) before the engine's rate is weighed against it
-# What a cached prompt token takes off a request's cost on that replica, in prefill weights
-# (strategy.py, `prefix_aware`). 1 would be the prefill it skips; measured on the multi-turn
-# workload (docs/router.md, "Prefix-aware routing"), 1 keeps only half the follow-up turns on
-# their cache, while 3 keeps most (TTFT p95 0.40-0.47 × ECT's over six seeds, latency p95
-# 0.89-0.95 ×). It is a bonus for keeping a conversation where its cache is, bounded: the
-# cached replica may carry up to 3 × 0.15 work units of backlog per cached token more than
-# another before it loses the turn (a 7,000-token history: ~1.5 s of an H200's throughput).
+# What a cached prompt token takes off a request's estimate on that replica, in prefill
+# weights (strategy.py, `prefix_aware`): 1 is the prefill it skips, the rest a bonus priced at
+# the fastest candidate's throughput. Measured on the multi-turn workload (docs/router.md,
+# "Prefix-aware routing"), 1 keeps only half the follow-up turns on their cache, while 3 keeps
+# most (TTFT p95 0.35-0.42 × ECT's over ten seeds, latency p95 0.92-1.00 ×). The bonus is
+# bounded: the cached replica keeps the turn while its estimate is at most 2 × 0.15 work units
+# per cached token above another's (a 7,000-token history: 0.37 s at an H200's 5,636 a second).
 PREFIX_CREDIT = 3.0
 
 

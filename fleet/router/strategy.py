@@ -18,9 +18,10 @@ speed (an L40S decodes a 70B model at about a quarter of an H200's rate). The st
   `stream_rate`).
 - `prefix_aware`: `estimated_completion_time` with a prefix credit: on each replica the request
   costs its prompt less the tokens that replica's prefix index (prefix.py) expects in its KV
-  cache (`cached`), so a conversation's next turn goes where its history is cached unless that
-  replica's queue or speed costs more than the prefill it saves. The pool books only those
-  uncached tokens as the replica's prefill work.
+  cache (`cached`), and its estimate is lower by a credit for each of those tokens, so a
+  conversation's next turn goes where its history is cached unless that replica's queue or
+  speed costs more than the credit is worth. The pool books only those uncached tokens as the
+  replica's prefill work.
 - `model_affinity`: a wrapper that keeps a model on the replicas that have it loaded, and lets
   a hot model spread to the others when those are saturated. The default strategy is
   `prefix_aware` behind affinity (without a cached prefix it chooses as
@@ -222,9 +223,10 @@ class CompletionTime(_Scored):
     not fall as `output_left` grows (fleet/sim/core.py relies on both)."""
 
     prefill_weight: float = PREFILL_WEIGHT
-    # `prefix_aware`: the request's cost on each replica less the prompt tokens its prefix
-    # index expects cached there (prefix.py: `cached`), each at `prefix_credit` × the
-    # prefill weight (prefix.py: PREFIX_CREDIT, measured)
+    # `prefix_aware`: on each replica, the request's prefill counts only the prompt tokens
+    # its prefix index does not expect cached there (prefix.py: `cached`), and each cached
+    # token takes (`prefix_credit` - 1) prefill weights more off the estimate, at the
+    # fastest candidate's throughput (prefix.py: PREFIX_CREDIT, measured)
     prefix: bool = False
     prefix_credit: float = 1.0
 
@@ -240,7 +242,13 @@ class CompletionTime(_Scored):
         prompt = request.prompt_tokens
         output = request.expected_output
         blocks = request.blocks if self.prefix else ()
-        credit = weight * self.prefix_credit  # work units a cached prompt token takes off
+        # Seconds a cached token takes off the estimate beyond its prefill skipped: priced at
+        # the fastest candidate's throughput, so that a slow replica, whose own seconds are
+        # long, does not earn a longer credit than a fast one
+        bonus = 0.0
+        if blocks:
+            top = max(r.capacity for r in candidates)
+            bonus = weight * (self.prefix_credit - 1.0) / (1e-9 if top < 1e-9 else top)
         best = None
         best_t = best_n = 0.0
         inf = _INF
@@ -248,12 +256,12 @@ class CompletionTime(_Scored):
             k = offset + i
             r = candidates[k if k < n else k - n]
             cached = r.prefix.cached(blocks, prompt) if blocks else 0.0  # the prefix credit
-            # The queue view takes the credit (a bonus: it may go below the request's own
-            # work); the floors below take only the prefill really skipped.
-            cost = full - cached * credit
+            # Both views count the prefill really skipped; the credit beyond it comes off
+            # whichever bounds the estimate (an idle replica's is its own time, a busy one's
+            # its queue), so that it holds for an idle replica as for a loaded one.
             fresh = prompt - cached  # the prompt tokens to prefill
             capacity = r.capacity
-            queued = (r.prompt_inflight * weight + r.output_left + cost) / (
+            queued = (r.prompt_inflight * weight + r.output_left + full - cached * weight) / (
                 1e-9 if capacity < 1e-9 else capacity  # max(capacity, 1e-9)
             )
             token_s = r.token_s
@@ -273,6 +281,8 @@ class CompletionTime(_Scored):
                 else:
                     alone = (full - cached * weight) / (1e-9 if rate < 1e-9 else rate)
                     t = alone if alone > queued else queued  # max(queued, alone)
+            if cached:
+                t -= cached * bonus
             if best is None or t < best_t or (t == best_t and r.inflight < best_n):
                 best, best_t, best_n = r, t, float(r.inflight)  # min: the first lowest
         return best
@@ -289,7 +299,8 @@ def estimated_completion_time(prefill_weight: float = PREFILL_WEIGHT) -> _Scored
 def prefix_aware(prefill_weight: float = PREFILL_WEIGHT) -> CompletionTime:
     """`estimated_completion_time` with each replica's prefix credit (prefix.py): a turn goes
     where its conversation's KV blocks are cached unless that replica's queue or speed costs
-    more than the credit (PREFIX_CREDIT × the prefill weight per cached token) is worth."""
+    more than the credit is worth: the prefill skipped, and (PREFIX_CREDIT - 1) × the prefill
+    weight per cached token at the fastest candidate's throughput."""
     return CompletionTime(
         "prefix_aware",
         lambda r, q: (completion_time(r, q, prefill_weight), float(r.inflight)),

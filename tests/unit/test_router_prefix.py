@@ -9,7 +9,7 @@ import pytest
 
 from fleet.router.admission import AdmissionQueue
 from fleet.router.discovery import apply_agent_state
-from fleet.router.estimates import Throughput
+from fleet.router.estimates import Throughput, iteration_costs
 from fleet.router.pool import DeploymentPool
 from fleet.router.prefix import (
     BLOCK_TOKENS,
@@ -28,6 +28,7 @@ from fleet.router.strategy import (
     ModelAffinity,
     Replica,
     Request,
+    completion_time,
     credits_prefix,
     estimated_completion_time,
     make,
@@ -37,6 +38,7 @@ from fleet_agent.engine.core import CoreConfig, EngineCore
 from fleet_core import cost_model
 from fleet_core.tokens import count_tokens
 
+MODEL = "llama-3.1-8b"
 TEXT = "".join(f"word{i} " for i in range(2000))[:12_800]  # 3,200 tokens: 100 blocks
 P = 3200
 
@@ -208,24 +210,25 @@ def test_prefix_aware_goes_where_the_prefix_is_cached() -> None:
 
 
 def test_a_loaded_or_slow_replica_loses_its_prefix() -> None:
-    """The credit (3,168 cached tokens × 3 × 0.15 = 1,426 work units) comes off the queue view;
-    the floor (the request alone at the replica's stream rate) takes only the prefill skipped
-    (3,168 × 0.15). The others: max(580 / 3000, 580 / 400) = 1.45 s."""
+    """The cached replica's estimate counts only the prefill left (3,168 of 3,200 tokens
+    cached: 580 - 3,168 × 0.15 = 105 work units); the credit beyond it, 3,168 × 2 × 0.15 work
+    units at the fastest candidate's 3,000 a second (0.32 s), comes off the whole estimate. The
+    others: max(580 / 3000, 580 / 400) = 1.45 s."""
     request = turn()
     rs = fleet(stream_rate=400.0)
     rs[2].prefix.insert(request.blocks, request.prompt_tokens)
     aware = prefix_aware()
-    # Loaded: (6,000 - 846) / 3000 = 1.72 s
+    # Loaded: (6,000 + 105) / 3000 - 0.32 = 1.72 s
     rs[2].output_left = 6000.0
     assert aware.choose(rs, request, 0.0) is not rs[2]
-    # Some queued work: the cached replica still wins ((2,000 - 846) / 3000 = 0.38 s)
+    # Some queued work: the cached replica still wins ((2,000 + 105) / 3000 - 0.32 = 0.38 s)
     rs[2].output_left = 2000.0
     assert aware.choose(rs, request, 0.0) is rs[2]
-    # Slow: an eighth of the others' speed, alone it takes 105 / 50 = 2.1 s
+    # Slow: an eighth of the others' speed, alone it takes 105 / 50 = 2.1 s (1.78 s credited)
     rs[2].output_left = 0.0
     rs[2].capacity, rs[2].stream_rate = 375.0, 50.0
     assert aware.choose(rs, request, 0.0) is not rs[2]
-    # A quarter of their speed (an L40S against H200s): the prefix still pays (1.05 s)
+    # A quarter of their speed (an L40S against H200s): the prefix still pays (1.05 - 0.32 s)
     rs[2].capacity, rs[2].stream_rate = 750.0, 100.0
     assert aware.choose(rs, request, 0.0) is rs[2]
     # Full: never chosen
@@ -233,9 +236,38 @@ def test_a_loaded_or_slow_replica_loses_its_prefix() -> None:
     assert aware.choose(rs, request, 0.0) is not rs[2]
 
 
+def test_the_credit_holds_where_the_replicas_own_time_bounds_it() -> None:
+    """An idle replica's estimate is its own time (its decode at its batch's pace), not its
+    queue. The credit comes off the whole estimate, so an idle H100 holding a conversation's
+    3,200-token history keeps the next turn against an H200 with four streams, although it
+    decodes slower (1.16 s against 1.06 s): the credit, 2 × 0.15 work units a cached token
+    beyond the prefill skipped at the fastest candidate's 5,000 a second, is 0.19 s. Before,
+    only the queue view took it and the turn went to the H200 to be prefilled again. An idle
+    L40S (3.4 s to decode it) loses the turn all the same."""
+    history = TEXT
+    text = history + "x" * 1600
+    request = Request(MODEL, count_tokens(text), 261.0, text_blocks(text))
+
+    def replica(gpu: str, streams: int = 0) -> Replica:
+        r = Replica(url=f"http://{gpu}", gpu_model=gpu, limit=16, capacity=5000.0)
+        r.inflight, r.prompt_inflight, r.output_left = streams, streams * 4000, streams * 130.0
+        r.iter_s, r.token_s, r.kv_s = iteration_costs(gpu, MODEL)
+        return r
+
+    busy_h200 = replica("H200", streams=4)
+    for gpu, keeps in [("H100", True), ("L40S", False)]:
+        cached = replica(gpu)
+        cached.prefix.insert(text_blocks(history), count_tokens(history))
+        assert completion_time(cached, request) > completion_time(busy_h200, request)
+        chosen = prefix_aware().choose([busy_h200, cached], request, 0.0)
+        assert (chosen is cached) is keeps, gpu
+        assert estimated_completion_time().choose([busy_h200, cached], request, 0.0) is busy_h200
+
+
 def test_the_credit_weight() -> None:
     """Credit 1 prices a cached token at the prefill it skips: a backlog of 1,000 units
-    (0.33 s) outweighs its 475 units; at the default (PREFIX_CREDIT) the conversation stays."""
+    (0.33 s) outweighs its 475 units (0.16 s); at the default (PREFIX_CREDIT) the conversation
+    stays."""
     request = turn()
     rs = fleet()
     rs[2].prefix.insert(request.blocks, request.prompt_tokens)

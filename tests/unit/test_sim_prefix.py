@@ -166,8 +166,9 @@ def _p95s(strategy: str, seed: int) -> tuple[float, float, float]:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_prefix_aware_routing_halves_ttft_on_the_multi_turn_workload(seed: int) -> None:
     """Issue 25's goal, pinned: TTFT p95 <= 0.5 × ECT's and latency p95 no worse. Measured
-    (docs/router.md, "Prefix-aware routing"), seeds 0-5: TTFT p95 0.40-0.47 × ECT's, latency
-    p95 0.89-0.95 ×, the engines' prefix hit rate 0.62-0.65 against ECT's 0.27-0.33."""
+    (docs/sim.md, "Prefix reuse and the multi-turn ordering"), seeds 0-5: TTFT p95 0.35-0.42 ×
+    ECT's, latency p95 0.94-1.00 ×, the engines' prefix hit rate 0.67-0.69 against ECT's
+    0.27-0.33."""
     ect_ttft, ect_latency, ect_hits = _p95s("estimated_completion_time", seed)
     ttft, latency, hits = _p95s("prefix_aware", seed)
     assert ttft <= 0.5 * ect_ttft
