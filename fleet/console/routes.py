@@ -652,7 +652,7 @@ def events_page(request: Request, kind: str = "", subject: str = "") -> Response
 
 
 def _event_watch(request: Request) -> EventWatch:
-    """The process's shared watch of the newest event (fleet/console/event_watch.py)."""
+    """The process's shared watch of the settled event id (fleet/console/event_watch.py)."""
     watch: EventWatch | None = getattr(request.app.state, "event_watch", None)
     if watch is None:
         engine = _engine(request)
@@ -661,7 +661,13 @@ def _event_watch(request: Request) -> EventWatch:
             with Session(engine) as session:
                 return int(session.exec(select(sa.func.max(Event.id))).one() or 0)
 
-        watch = request.app.state.event_watch = EventWatch(read_newest, STREAM_POLL_S)
+        def read_ids(after: int, limit: int) -> list[int]:
+            query = select(Event.id).where(col(Event.id) > after).order_by(col(Event.id))
+            with Session(engine) as session:
+                return [int(i) for i in session.exec(query.limit(limit)) if i is not None]
+
+        watch = EventWatch(read_newest, read_ids, STREAM_POLL_S)
+        request.app.state.event_watch = watch
     return watch
 
 
@@ -682,14 +688,16 @@ async def events_stream(
 
     watch = _event_watch(request)
 
-    def newer(last: int) -> list[Event]:
+    def newer(last: int, settled: int) -> list[Event]:
         with Session(engine) as session:
-            query = _event_query(kind, subject).where(col(Event.id) > last)
+            query = _event_query(kind, subject).where(
+                col(Event.id) > last, col(Event.id) <= settled
+            )
             return list(session.exec(query.order_by(col(Event.id)).limit(200)))
 
     async def feed() -> AsyncIterator[str]:
         last = after  # the newest event this feed sent (its filter's)
-        seen = -1  # the newest event of all when this feed last queried (-1: not yet)
+        seen = -1  # the settled event id when this feed last queried (-1: not yet)
         ends = time.monotonic() + STREAM_S
         recheck = time.monotonic() + STREAM_RECHECK_S
         yield "retry: 2000\n\n"
@@ -700,10 +708,10 @@ async def events_stream(
                 if await asyncio.to_thread(who, request) is None:
                     return
                 recheck = time.monotonic() + STREAM_RECHECK_S
-            newest = await watch.newest()
-            if newest > seen:  # something happened since (the feed's filter may drop it)
-                rows = await asyncio.to_thread(newer, last)
-                seen = newest if len(rows) < 200 else -1  # a full page: more to read
+            settled = await watch.newest()
+            if settled > seen:  # something happened since (the feed's filter may drop it)
+                rows = await asyncio.to_thread(newer, last, settled)
+                seen = settled if len(rows) < 200 else -1  # a full page: more to read
                 for e in rows:
                     last = e.id or last
                     yield f"id: {last}\ndata: {event_row(e)}\n\n"

@@ -350,22 +350,125 @@ def test_the_event_watch_reads_the_database_once_per_interval_whatever_the_calle
 
     from fleet.console.event_watch import EventWatch
 
-    newest = [7]
+    visible = list(range(1, 8))
     clock = [0.0]
-    watch = EventWatch(lambda: newest[0], poll_s=1.0, clock=lambda: clock[0])
+    watch = EventWatch(
+        lambda: visible[-1],
+        lambda after, limit: [i for i in visible if i > after][:limit],
+        poll_s=1.0,
+        clock=lambda: clock[0],
+    )
 
     async def many() -> list[int]:
         return list(await asyncio.gather(*(watch.newest() for _ in range(50))))
 
     async def scenario() -> None:
         assert await many() == [7] * 50 and watch.reads == 1
-        newest[0] = 9
+        visible.extend([8, 9])
         clock[0] = 0.5  # within the interval: the answer is the last read's
         assert await many() == [7] * 50 and watch.reads == 1
         clock[0] = 1.0
         assert await many() == [9] * 50 and watch.reads == 2
 
     asyncio.run(scenario())
+
+
+def test_the_event_watch_waits_at_an_id_committed_late_and_passes_a_rolled_back_one() -> None:
+    """Ids become visible out of order on Postgres (a sequence hands them out at insert; the
+    transactions commit in any order): the watch stops below a gap until it fills, and passes
+    a gap still there after the grace (an id rolled back is never filled)."""
+    import asyncio
+
+    from fleet.console import event_watch
+    from fleet.console.event_watch import EventWatch
+
+    visible = [10]
+    clock = [0.0]
+    watch = EventWatch(
+        lambda: visible[-1],
+        lambda after, limit: sorted(i for i in visible if i > after)[:limit],
+        poll_s=1.0,
+        clock=lambda: clock[0],
+        grace_s=5.0,
+    )
+
+    def at(t: float) -> int:
+        clock[0] = t
+        return asyncio.run(watch.newest())
+
+    assert at(0.0) == 10
+    visible += [11, 13, 14]  # 12 is still in its transaction
+    assert at(1.0) == 11
+    assert at(2.0) == 11  # waiting for 12
+    visible.append(12)  # it commits: the watch goes on past it
+    assert at(3.0) == 14
+    visible += [16, 17]  # 15 was rolled back: never visible
+    assert at(4.0) == 14
+    assert at(8.0) == 14  # 4 s: still waited for
+    assert at(9.0) == 17  # 5 s: given up
+    assert watch._gaps == {}  # nothing kept for gaps passed or filled
+    # A poll reads on while its reads come back full (a burst of events)
+    visible += list(range(18, 18 + 2 * event_watch.READ_LIMIT + 5))
+    reads = watch.reads
+    assert at(10.0) == visible[-1] and watch.reads - reads == 3
+
+
+@pytest.mark.parametrize(
+    "engine", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_an_open_feed_gets_an_event_whose_transaction_commits_after_a_later_ones(
+    fleet: Live, db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Postgres: event A takes its id, event B the next one and commits first. A feed that
+    went on from B's id never sent A (seen and left in earlier stops); it now waits at A's id
+    and sends both, A first."""
+    import threading
+
+    from fleet.console import routes
+
+    monkeypatch.setattr(routes, "STREAM_POLL_S", 0.1)
+    viewer = sign_in(fleet, Role.VIEWER)
+    got: list[str] = []
+    with Session(db) as s:
+        after = max(e.id or 0 for e in s.exec(select(Event)))
+
+    def follow() -> None:
+        params: dict[str, str | int] = {"kind": "late.test", "after": after}
+        with viewer.stream("GET", "/ui/events/stream", params=params, timeout=30) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    got.append(line)
+                    if len(got) == 2:
+                        return
+
+    def event(message: str) -> Event:
+        return Event(
+            subject_type="server",
+            subject="gpu-01",
+            actor="t",
+            kind="late.test",
+            message=message,
+            details={},
+        )
+
+    feed = threading.Thread(target=follow, daemon=True)
+    feed.start()
+    time.sleep(0.5)
+    with Session(db) as early, Session(db) as late:
+        a = event("first in, last to commit")
+        early.add(a)
+        early.flush()  # A has its id; its transaction stays open
+        b = event("second in, first to commit")
+        late.add(b)
+        late.commit()
+        late.refresh(b)
+        assert a.id is not None and b.id is not None and a.id < b.id
+        time.sleep(1.0)  # the feed polls ~10 times while A is not visible
+        assert got == []  # B waits behind A's gap
+        early.commit()
+    feed.join(timeout=10)
+    assert len(got) == 2, got
+    assert "first in, last to commit" in got[0] and "second in, first to commit" in got[1]
 
 
 def test_open_event_streams_share_one_poll_and_a_revoked_one_ends(
