@@ -687,6 +687,11 @@ async def events_stream(
         return Response(status_code=401)
 
     watch = _event_watch(request)
+    # A browser reconnecting (the stream ends after STREAM_S) sends the last id it got: go on
+    # from there, not from the page's `after` again (which would repeat every row since)
+    resumed = request.headers.get("last-event-id", "")
+    if resumed.isdigit():
+        after = max(after, int(resumed))
 
     def newer(last: int, settled: int) -> list[Event]:
         with Session(engine) as session:

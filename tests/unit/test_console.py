@@ -345,6 +345,42 @@ def test_the_live_fragments_and_the_event_stream(fleet: Live, db: Engine) -> Non
     assert "test.kind" in data and "&lt;script&gt;" in data and "<script>" not in data
 
 
+def test_a_reconnecting_feed_goes_on_from_its_last_event_id(fleet: Live, db: Engine) -> None:
+    """EventSource reconnects to the same URL (the page's `after`) with the last id it got in
+    Last-Event-ID: the feed goes on from there instead of repeating every row since the page;
+    a header that is not an id is ignored."""
+    viewer = sign_in(fleet, Role.VIEWER)
+    with Session(db) as s:
+        after = max(e.id or 0 for e in s.exec(select(Event)))
+        for n in range(3):
+            s.add(
+                Event(
+                    subject_type="server",
+                    subject="gpu-01",
+                    actor="t",
+                    kind="resume.test",
+                    message=f"event {n}",
+                    details={},
+                )
+            )
+        s.commit()
+        ids = [e.id for e in s.exec(select(Event).where(Event.kind == "resume.test"))]
+
+    def first_data(headers: dict[str, str]) -> str:
+        params: dict[str, str | int] = {"kind": "resume.test", "after": after}
+        with viewer.stream(
+            "GET", "/ui/events/stream", params=params, headers=headers, timeout=30
+        ) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    return line
+        return ""
+
+    assert "event 0" in first_data({})
+    assert "event 2" in first_data({"Last-Event-ID": str(ids[1])})
+    assert "event 0" in first_data({"Last-Event-ID": "1; DROP TABLE event"})
+
+
 def test_the_event_watch_reads_the_database_once_per_interval_whatever_the_callers() -> None:
     import asyncio
 
