@@ -41,10 +41,12 @@ V1, V2 = "llama@v1", "llama@v2"
 SERVERS = 4
 CANARY = 0.1
 # A server moved to another version restarts its engine: its agent says "starting" (not
-# ready) for this long, more than two of the router's agent polls (0.25 s), while the old
-# engine answers what it was sent. Only then does the replica answer as the new version, so
-# every answer is counted under the version the router saw.
+# ready) for at least this long, and until the router has read that twice (its agent polls
+# come every 0.25 s, later on a loaded machine), while the old engine answers what it was
+# sent. Only then does the replica answer as the new version, so every answer is counted
+# under the version the router saw.
 RESTART_S = 0.6
+RESTART_POLLS = 2
 
 
 class Servers:
@@ -55,8 +57,10 @@ class Servers:
         self.agent_ports = [free_port() for _ in range(SERVERS)]
         self.replica_ports = [free_port() for _ in range(SERVERS)]
         self.version = [V1] * SERVERS  # what each server's replica answers as now
-        # Per server, while its engine restarts: (the version it restarts on, since when)
-        self.restarting: list[tuple[str, float] | None] = [None] * SERVERS
+        # Per server, while its engine restarts: (the version it restarts on, since when,
+        # the agent's polls answered before)
+        self.restarting: list[tuple[str, float, int] | None] = [None] * SERVERS
+        self.polls = [0] * SERVERS  # the agent's /state answers so far
         self.answered: dict[str, int] = {V1: 0, V2: 0}
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -72,16 +76,17 @@ class Servers:
 
     def assign(self, i: int, version: str) -> None:
         """What the agent does with its server's assigned version: restart the engine on it
-        (RESTART_S, not ready meanwhile), then serve it."""
+        (RESTART_S and RESTART_POLLS, not ready meanwhile), then serve it."""
         pending, now = self.restarting[i], time.monotonic()
         if version == self.version[i]:
             self.restarting[i] = None
         elif pending is None or pending[0] != version:
-            self.restarting[i] = (version, now)
-        elif now - pending[1] >= RESTART_S:
+            self.restarting[i] = (version, now, self.polls[i])
+        elif now - pending[1] >= RESTART_S and self.polls[i] - pending[2] > RESTART_POLLS:
             self.version[i], self.restarting[i] = version, None
 
     async def _state(self, i: int, _: web.Request) -> web.Response:
+        self.polls[i] += 1
         return web.json_response({"ready": True, "draining": False, "replicas": self.replicas(i)})
 
     async def _completion(self, i: int, request: web.Request) -> web.Response:
