@@ -78,6 +78,18 @@ def browser(live: Live) -> httpx.Client:
     return httpx.Client(base_url=live.url, follow_redirects=False, timeout=30)
 
 
+def server_event(subject: str, kind: str, message: str) -> Event:
+    """An event about a server, as the feeds' tests write them."""
+    return Event(
+        subject_type="server", subject=subject, actor="t", kind=kind, message=message, details={}
+    )
+
+
+def newest_event_id(s: Session) -> int:
+    """The newest event id (the fixture's own events are not the feeds' tests')."""
+    return max((e.id or 0 for e in s.exec(select(Event))), default=0)
+
+
 def login_form(client: httpx.Client, token: str) -> httpx.Response:
     """GET the sign-in form (its CSRF cookie and value), then POST `token` with it."""
     value = csrf(client.get("/ui/login").text)
@@ -323,17 +335,8 @@ def test_the_live_fragments_and_the_event_stream(fleet: Live, db: Engine) -> Non
     assert client.get("/ui/racks/fra1-r01").status_code == 200
     assert client.get("/ui/racks/nope").status_code == 404
     with Session(db) as s:
-        last = max(e.id or 0 for e in s.exec(select(Event)))
-        s.add(
-            Event(
-                subject_type="server",
-                subject="gpu-02",
-                actor="t",
-                kind="test.kind",
-                message="<script>alert(1)</script>",
-                details={},
-            )
-        )
+        last = newest_event_id(s)
+        s.add(server_event("gpu-02", "test.kind", "<script>alert(1)</script>"))
         s.commit()
     with client.stream("GET", "/ui/events/stream", params={"after": last}) as stream:
         assert stream.headers["content-type"].startswith("text/event-stream")
@@ -351,18 +354,9 @@ def test_a_reconnecting_feed_goes_on_from_its_last_event_id(fleet: Live, db: Eng
     a header that is not an id is ignored."""
     viewer = sign_in(fleet, Role.VIEWER)
     with Session(db) as s:
-        after = max(e.id or 0 for e in s.exec(select(Event)))
+        after = newest_event_id(s)
         for n in range(3):
-            s.add(
-                Event(
-                    subject_type="server",
-                    subject="gpu-01",
-                    actor="t",
-                    kind="resume.test",
-                    message=f"event {n}",
-                    details={},
-                )
-            )
+            s.add(server_event("gpu-01", "resume.test", f"event {n}"))
         s.commit()
         ids = [e.id for e in s.exec(select(Event).where(Event.kind == "resume.test"))]
 
@@ -466,7 +460,7 @@ def test_an_open_feed_gets_an_event_whose_transaction_commits_after_a_later_ones
     viewer = sign_in(fleet, Role.VIEWER)
     got: list[str] = []
     with Session(db) as s:
-        after = max(e.id or 0 for e in s.exec(select(Event)))
+        after = newest_event_id(s)
 
     def follow() -> None:
         params: dict[str, str | int] = {"kind": "late.test", "after": after}
@@ -477,24 +471,14 @@ def test_an_open_feed_gets_an_event_whose_transaction_commits_after_a_later_ones
                     if len(got) == 2:
                         return
 
-    def event(message: str) -> Event:
-        return Event(
-            subject_type="server",
-            subject="gpu-01",
-            actor="t",
-            kind="late.test",
-            message=message,
-            details={},
-        )
-
     feed = threading.Thread(target=follow, daemon=True)
     feed.start()
     time.sleep(0.5)
     with Session(db) as early, Session(db) as late:
-        a = event("first in, last to commit")
+        a = server_event("gpu-01", "late.test", "first in, last to commit")
         early.add(a)
         early.flush()  # A has its id; its transaction stays open
-        b = event("second in, first to commit")
+        b = server_event("gpu-01", "late.test", "second in, first to commit")
         late.add(b)
         late.commit()
         late.refresh(b)
@@ -523,7 +507,7 @@ def test_open_event_streams_share_one_poll_and_a_revoked_one_ends(
     ended: dict[str, float] = {}
 
     with Session(db) as s:  # the fixture's own events are not this test's
-        after = max(e.id or 0 for e in s.exec(select(Event)))
+        after = newest_event_id(s)
 
     def follow(subject: str) -> None:
         params: dict[str, str | int] = {"subject": subject, "after": after}
@@ -541,16 +525,7 @@ def test_open_event_streams_share_one_poll_and_a_revoked_one_ends(
     reads_before, started = watch.reads, time.monotonic()
     with Session(db) as s:
         for subject in ("gpu-01", "gpu-02"):
-            s.add(
-                Event(
-                    subject_type="server",
-                    subject=subject,
-                    actor="t",
-                    kind="test.kind",
-                    message=f"about {subject}",
-                    details={},
-                )
-            )
+            s.add(server_event(subject, "test.kind", f"about {subject}"))
         s.commit()
     time.sleep(1.0)
     reads = watch.reads - reads_before
