@@ -532,6 +532,11 @@ def summary(answers: Sequence[Answer], seconds: float) -> dict[str, Any]:
         "p50_ms": pct(good, 0.5) * 1000,
         "p99_ms": pct(good, 0.99) * 1000,
         "p99_all_ms": pct([a.seconds for a in answers], 0.99) * 1000,
+        # what the requests without a proper answer met (the load generator's own limits or
+        # the service's), the commonest first
+        "why": Counter(
+            (a.error or f"HTTP {a.status} without Retry-After")[:80] for a in answers if not a.ok
+        ).most_common(3),
     }
 
 
@@ -547,6 +552,8 @@ def show(label: str, figures: dict[str, Any], healthz: Sequence[tuple[float, ...
         + (f"  service CPU {figures['cpu'] * 100:3.0f} %" if "cpu" in figures else ""),
         flush=True,
     )
+    for why, n in figures["why"]:
+        print(f"  {'':<10} {n} × {why}", flush=True)
 
 
 def series(
