@@ -129,6 +129,7 @@ class _Due:
 
 
 BUCKET_S = 0.01  # the event queue's bucket width (simulated seconds)
+_LAST_K = 1 << 62  # the bucket of an end at no finite time (taken after every other)
 
 
 class _Events:
@@ -136,8 +137,8 @@ class _Events:
     them, kept as a calendar queue. Ends later than the current bucket are appended to their
     bucket of BUCKET_S (one list append on a cold line); a bucket is heapified when it becomes
     the current one and is then small enough to stay in the CPU's caches. One heap over
-    100,000 engines' ends walked ~17 cold entries per pop (a tenth of the 100,000-GPU run,
-    bench/sim.py)."""
+    100,000 engines' ends walked ~17 cold entries per pop (`heappop` ~10 % of the
+    100,000-GPU run by perf; what the whole run gained is smaller: docs/sim.md)."""
 
     __slots__ = ("buckets", "current", "k", "later")
 
@@ -148,7 +149,9 @@ class _Events:
         self.later: list[int] = []  # a heap of their numbers
 
     def push(self, due: _Due) -> None:
-        k = int(due.t / BUCKET_S)  # t >= 0: the floor; monotonic in t, so buckets keep order
+        t = due.t
+        # t >= 0: the floor; monotonic in t, so buckets keep the order
+        k = int(t / BUCKET_S) if t < math.inf else _LAST_K
         if k <= self.k:  # (an end before the current bucket's is still after every one taken)
             heapq.heappush(self.current, due)
             return

@@ -4,6 +4,7 @@ exactly the order one heap of them gives, (time, sequence), whatever buckets the
 from __future__ import annotations
 
 import heapq
+import math
 import random
 
 import pytest
@@ -76,3 +77,14 @@ def test_ends_at_equal_times_come_out_by_sequence() -> None:
         due = queue.pop()
         order.append((due.t, due.seq))
     assert order == [(0.0, 9), (5 * BUCKET_S, 1), (5 * BUCKET_S, 2), (5 * BUCKET_S, 3)]
+
+
+def test_an_end_at_no_finite_time_comes_out_last() -> None:
+    queue = _Events()
+    queue.push(_Due(math.inf, 1, ENGINE))
+    queue.push(_Due(1e9, 2, ENGINE))
+    queue.push(_Due(0.5, 3, ENGINE))
+    order: list[int] = []
+    while queue.first() is not None:
+        order.append(queue.pop().seq)
+    assert order == [3, 2, 1]
