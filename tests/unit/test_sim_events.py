@@ -16,6 +16,15 @@ from fleet_core import cost_model as cm
 ENGINE = Engine(cm.EngineShape(gpu=cm.gpu_spec("H100"), model=cm.model_spec("llama-3.1-8b")))
 
 
+def _drained(queue: _Events) -> list[tuple[float, int]]:
+    """(time, sequence) of every end left, in the order the queue gives them."""
+    out: list[tuple[float, int]] = []
+    while queue.first() is not None:
+        due = queue.pop()
+        out.append((due.t, due.seq))
+    return out
+
+
 def _drain_in_step(
     seed: int, steps: int
 ) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
@@ -53,10 +62,8 @@ def _drain_in_step(
             got.append((due.t, due.seq))
             want.append(heapq.heappop(heap))
             now = due.t
-    while queue.first() is not None:
-        due = queue.pop()
-        got.append((due.t, due.seq))
-        want.append(heapq.heappop(heap))
+    got += _drained(queue)
+    want += [heapq.heappop(heap) for _ in range(len(heap))]
     return got, want
 
 
@@ -72,11 +79,7 @@ def test_ends_at_equal_times_come_out_by_sequence() -> None:
     for seq in (3, 1, 2):
         queue.push(_Due(5 * BUCKET_S, seq, ENGINE))
     queue.push(_Due(0.0, 9, ENGINE))
-    order: list[tuple[float, int]] = []
-    while queue.first() is not None:
-        due = queue.pop()
-        order.append((due.t, due.seq))
-    assert order == [(0.0, 9), (5 * BUCKET_S, 1), (5 * BUCKET_S, 2), (5 * BUCKET_S, 3)]
+    assert _drained(queue) == [(0.0, 9), (5 * BUCKET_S, 1), (5 * BUCKET_S, 2), (5 * BUCKET_S, 3)]
 
 
 def test_an_end_at_no_finite_time_comes_out_last() -> None:
@@ -84,7 +87,4 @@ def test_an_end_at_no_finite_time_comes_out_last() -> None:
     queue.push(_Due(math.inf, 1, ENGINE))
     queue.push(_Due(1e9, 2, ENGINE))
     queue.push(_Due(0.5, 3, ENGINE))
-    order: list[int] = []
-    while queue.first() is not None:
-        order.append(queue.pop().seq)
-    assert order == [3, 2, 1]
+    assert [seq for _, seq in _drained(queue)] == [3, 2, 1]
