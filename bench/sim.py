@@ -72,17 +72,20 @@ PEAK_S = 14 * 3600.0
 def machine() -> str:
     """The CPU's model and cache sizes (case 2's speed depends on the last level's)."""
     model = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
     caches = []
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        kind = (index / "type").read_text().strip()
-        if kind != "Instruction":
-            caches.append(
-                f"L{(index / 'level').read_text().strip()} {(index / 'size').read_text().strip()}"
+    try:  # Linux's files; elsewhere the line says what is not known
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            level, kind, size = (
+                (index / name).read_text().strip() for name in ("level", "type", "size")
             )
+            if kind != "Instruction":
+                caches.append(f"L{level} {size}")
+    except OSError:
+        pass
     return f"{model}; {', '.join(caches) or 'cache sizes unknown'}"
 
 
