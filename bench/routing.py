@@ -5,8 +5,8 @@
         [--router-limit N] [--offset 0] [--warmup 0.1]
     .venv/bin/python bench/routing.py --all
 
-About 4 minutes with the defaults (five strategies, 40 s of replay each, on 2 cores). `--all` is
-issue 25's acceptance in one run, about 15 minutes: the code and conversation traces with
+About 5 minutes with the defaults (five strategies, 40 s of replay each, on 2 cores). `--all` is
+issue 25's acceptance in one run, about 16 minutes: the code and conversation traces with
 round-robin, least-pending and estimated completion time, then the multi-turn sessions
 (bench/routing_sessions.py) and the callers (bench/routing_callers.py), then every goal again.
 
@@ -80,6 +80,11 @@ predicted capacity (fleet/router/admission.py's fluid_waits: perfect routing, no
 slowdown): its deepest backlog (less the requests in flight at the replicas' limits, that is what
 FLEET_ROUTER_QUEUE_BOUND must hold, or the burst gets 429s) and its latency p95 (wait + each
 request alone on an H200). No FIFO router beats it; a goal below it is flagged unreachable.
+
+Pace: on the conversation trace, whose goal is the floor's, also the pace bound
+(bench/pace_bound.py, ~1 minute): in a fluid model of the fleet, the smallest R at which some
+assignment of the requests keeps 95 % within R x the floor's p95, with every GPU busy all the
+time and at most 90 % of it. A goal below the first is flagged unreachable for any router.
 """
 
 from __future__ import annotations
@@ -111,7 +116,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/routing.py` puts bench/, not the repo, on the path
     sys.path.insert(0, str(REPO))
 
-from measure import cpu_seconds, free_port, pct, wait_until  # noqa: E402 - bench/ is on sys.path
+import pace_bound  # noqa: E402 - bench/ is on sys.path
+from measure import cpu_seconds, free_port, pct, wait_until  # noqa: E402
 
 from fleet.router.admission import fluid_waits  # noqa: E402
 from fleet.router.estimates import prior_capacity  # noqa: E402
@@ -124,6 +130,7 @@ FLEET = ("H200",) * 3 + ("H100",) * 3 + ("L40S",) * 2
 # Issue 25's goals: estimated_completion_time's p95 against least-pending's (code trace, with no
 # 429) and against the floor (stretch on the code trace; the goal on the conversation trace)
 GOAL_CODE_VS_LP, STRETCH_CODE_VS_FLOOR, GOAL_CONV_VS_FLOOR = 0.8, 3.0, 1.3
+PACE_BUSY = (1.0, 0.9)  # the GPUs' busy shares the pace bound is solved for
 ACCEPTANCE_STRATEGIES = ("round_robin", "least_pending", "estimated_completion_time")
 HOST = "127.0.0.1"
 
@@ -667,6 +674,7 @@ def report(
     offered: float,
     trace: str,
     burst: tuple[float, float],
+    pace: Sequence[tuple[float, float | None]] = (),
 ) -> list[str]:
     """Print the figures; return the goal lines (printed too) for --all's summary."""
     goals: list[str] = []
@@ -703,6 +711,17 @@ def report(
         f"{backlog:.0f} requests and gives a latency p95 of {s_(burst_p95)} s; no FIFO router "
         "does better"
     )
+    if pace:
+        figures = [
+            (f"{ratio:.2f} ×" if ratio is not None else f"> {pace_bound.RATIOS[-1]} ×")
+            + f" the floor's p95 with the GPUs busy up to {busy:.0%} of the time"
+            for busy, ratio in pace
+        ]
+        print(
+            "Pace bound (bench/pace_bound.py, a fluid estimate that no router beats): 95 % of "
+            f"the requests within {'; '.join(figures)} (long answers decode at a loaded "
+            "batch's pace, between other prompts' prefill)"
+        )
     for r in results:
         refused = r.errors.get("HTTP 429", 0)
         if refused:
@@ -797,6 +816,9 @@ def report(
         return goals
     p95 = pct(ect.latency, 0.95)
     floor_p95 = pct(lat_floor, 0.95)
+    # the fluid estimate's ratio with the GPUs busy all the time (the most it allows)
+    best = min((ratio for _, ratio in pace if ratio is not None), default=None)
+    pace_p95 = best * floor_p95 if best is not None else 0.0
 
     def verdict(name: str, value: float, goal: float, target: float, extra: str = "") -> None:
         line = f"{name}: {value:.2f}, {'met' if value <= goal else 'NOT met'}{extra}"
@@ -806,6 +828,22 @@ def report(
             line += (
                 f" (unreachable for a FIFO waiting room: {s_(target)} s is below the burst "
                 f"bound {s_(burst_p95)} s)"
+            )
+        elif target < pace_p95:
+            line += (
+                f" (unreachable for any router: {s_(target)} s is below the pace bound "
+                f"{s_(pace_p95)} s with every GPU busy all the time)"
+            )
+        elif value > goal and pace:
+            line += (
+                " (pace bound: "
+                + ", ".join(
+                    f"{ratio:.2f} × at {busy:.0%} busy"
+                    if ratio is not None
+                    else f"none at {busy:.0%}"
+                    for busy, ratio in pace
+                )
+                + ")"
             )
         print(line)
         goals.append(f"{trace} trace: {line}")
@@ -922,25 +960,40 @@ def acceptance(args: argparse.Namespace) -> int:
     return 0
 
 
-def trace_phase(args: argparse.Namespace, variants: Sequence[Variant]) -> tuple[int, list[str]]:
-    """One trace, every variant: (exit code, the goal lines)."""
-    # Capacity: the cost model's steady state per GPU for the slice's mix at B streams.
+@dataclass(frozen=True)
+class Slice:
+    """A trace slice at an offered load on FLEET, by the cost model (simulated seconds)."""
+
+    sizes: list[tuple[int, int]]  # (prompt, output) tokens per request, in trace order
+    mean_in: float
+    mean_out: float
+    eff_in: float  # the steady-state equivalent lengths (cost_model.effective_lengths)
+    eff_out: float
+    streams: int  # per engine: the engines' batch or the router's limit, the smaller
+    per_gpu: dict[str, tuple[float, float]]  # GPU model: (output tok/s, ITL s) at `streams`
+    cap_tok: float  # the fleet's predicted output tokens/s
+    cap_req: float
+    rate_sim: float  # offered requests/s
+    span_s: float  # first to last arrival
+    floor_p95: float  # each request alone on an idle H200
+
+
+def slice_for(
+    trace: str, offset: int, count: int, load: float, batch: int, router_limit: int | None = None
+) -> Slice:
+    """Capacity: the cost model's steady state per GPU for the slice's mix at B streams."""
     from fleet.traces import load_trace
 
     try:
-        rows = load_trace(args.trace)[args.offset : args.offset + args.requests]
+        rows = load_trace(trace)[offset : offset + count]
     except OSError as exc:
         raise ValueError(str(exc)) from exc
     if len(rows) < 10:
-        raise ValueError(
-            f"trace {args.trace!r} has fewer than 10 requests from offset {args.offset}"
-        )
+        raise ValueError(f"trace {trace!r} has fewer than 10 requests from offset {offset}")
     sizes = [(r.prompt_tokens, max(1, r.output_tokens)) for r in rows]
     eff_in, eff_out = cm.effective_lengths(sizes)
-    mean_in = statistics.mean(i for i, _ in sizes)
     mean_out = statistics.mean(o for _, o in sizes)
-    batch = args.max_batch_size
-    streams = min(batch, args.router_limit or batch)
+    streams = min(batch, router_limit or batch)
     per_gpu: dict[str, tuple[float, float]] = {}
     for gpu in dict.fromkeys(FLEET):
         shape = shape_for(gpu, batch)
@@ -949,8 +1002,33 @@ def trace_phase(args: argparse.Namespace, variants: Sequence[Variant]) -> tuple[
             cm.predicted_itl_s(shape, streams, eff_in, eff_out),
         )
     cap_tok = sum(per_gpu[g][0] for g in FLEET)
-    cap_req = cap_tok / mean_out
-    rate_sim = args.load * cap_req
+    rate_sim = load * cap_tok / mean_out
+    work = plan(trace, offset, count, rate_sim)[0]
+    h200 = shape_for("H200", batch)
+    return Slice(
+        sizes=sizes,
+        mean_in=statistics.mean(i for i, _ in sizes),
+        mean_out=mean_out,
+        eff_in=eff_in,
+        eff_out=eff_out,
+        streams=streams,
+        per_gpu=per_gpu,
+        cap_tok=cap_tok,
+        cap_req=cap_tok / mean_out,
+        rate_sim=rate_sim,
+        span_s=work[-1].at,
+        floor_p95=pct([alone_seconds(h200, p, o)[1] for p, o in sizes], 0.95),
+    )
+
+
+def trace_phase(args: argparse.Namespace, variants: Sequence[Variant]) -> tuple[int, list[str]]:
+    """One trace, every variant: (exit code, the goal lines)."""
+    sl = slice_for(
+        args.trace, args.offset, args.requests, args.load, args.max_batch_size, args.router_limit
+    )
+    eff_in, eff_out, mean_in, mean_out = sl.eff_in, sl.eff_out, sl.mean_in, sl.mean_out
+    batch, streams, per_gpu, cap_tok = args.max_batch_size, sl.streams, sl.per_gpu, sl.cap_tok
+    cap_req, rate_sim = sl.cap_req, sl.rate_sim
     work, span, natural = plan(args.trace, args.offset, args.requests, rate_sim * args.speedup)
     share = {g: FLEET.count(g) * per_gpu[g][0] / cap_tok for g in per_gpu}
     # Between the H100's inter-token gap at full batch and the L40S's alone.
@@ -965,6 +1043,12 @@ def trace_phase(args: argparse.Namespace, variants: Sequence[Variant]) -> tuple[
     skip = args.warmup * work[-1].at
     bound = [w + a[1] for w, a, p in zip(waits, alone, work, strict=True) if p.at >= skip]
     burst = (max(waits) * cap_req, pct(bound, 0.95))
+    # The pace bound, where the goal is the floor's (the code trace's lies under its bursts)
+    pace: list[tuple[float, float | None]] = []
+    if args.trace == "conv":
+        print("Pace bound: solving (bench/pace_bound.py, ~2 minutes)", flush=True)
+        program = pace_bound.PaceBound(sl.sizes, pace_bound.groups_for(FLEET, MODEL), sl.span_s)
+        pace = [(busy, program.bound(sl.floor_p95, busy, streams).ratio) for busy in PACE_BUSY]
 
     limit = (
         f"router limit {args.router_limit} per replica (FLEET_ROUTER_REPLICA_LIMIT)"
@@ -1033,7 +1117,7 @@ def trace_phase(args: argparse.Namespace, variants: Sequence[Variant]) -> tuple[
         except RuntimeError as exc:
             print(f"bench/routing.py: {exc}", file=sys.stderr)
             return 1, []
-    return 0, report(results, args.speedup, share, floor, rate_sim, args.trace, burst)
+    return 0, report(results, args.speedup, share, floor, rate_sim, args.trace, burst, pace)
 
 
 if __name__ == "__main__":

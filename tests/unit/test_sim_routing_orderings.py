@@ -6,13 +6,15 @@ in `estimated_completion_time` and the burst bound that sizes the waiting room."
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from fleet.router.admission import fluid_waits
 from fleet.router.config import RouterSettings
-from fleet.router.estimates import iteration_costs
+from fleet.router.estimates import OutputEstimate, iteration_costs
 from fleet.router.strategy import (
     Replica,
     Request,
@@ -20,6 +22,7 @@ from fleet.router.strategy import (
     estimated_completion_time,
     own_seconds,
 )
+from fleet.sim import core
 from fleet.sim.core import RunResult, Summary, percentile, summarize
 from fleet.sim.scenario import Scenario, capacity_rps, generate, run_requests
 from fleet_core import cost_model as cm
@@ -120,6 +123,47 @@ def test_conversation_trace_ect_well_ahead_and_near_the_floor() -> None:
     assert ect.latency_p95 < 1.5 * floor
     fast = _runs(_scenario("conv", {"H200": 8}), ["estimated_completion_time"])
     assert fast["estimated_completion_time"][1].latency_p95 > 1.2 * floor
+
+
+@dataclass
+class _KnowsLengths:
+    """Not a router strategy: a size-interval router that knows every answer's true length
+    (the test passes it as the expected output): answers of 460 tokens or more only on the
+    H200s, of 100 or more on the H200s and H100s, shorter ones anywhere; estimated completion
+    time within that. A request waits when none of its GPUs has room (the waiting room is
+    first come first served), so long answers never decode at a slow GPU's pace."""
+
+    name: str = "knows_lengths"
+
+    def choose(self, replicas: Sequence[Replica], request: Request, now: float) -> Replica | None:
+        output = request.expected_output
+        allowed = {"H200"} if output >= 460 else {"H200", "H100"} if output >= 100 else None
+        fits = [
+            r for r in replicas if r.available(now) and (allowed is None or r.gpu_model in allowed)
+        ]
+        return min(fits, key=lambda r: (completion_time(r, request), r.inflight), default=None)
+
+
+def test_conversation_trace_knowing_every_length_still_misses_1_3_of_the_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """How far routing alone can go on the conversation trace: a router told every answer's
+    length, keeping long answers on the H200s, gives 1.40 × the floor against ECT's 1.47 ×,
+    short of 1.3 ×: the fast GPUs' batches are then full of long answers and the prompts
+    prefilled between their steps (bench/pace_bound.py: 1.3 × needs every GPU busy all the
+    time in a fluid model, 1.4 × at 90 %)."""
+    sc = _scenario("conv")
+    requests = generate(sc)
+    ect = run_requests(sc, requests, strategy="estimated_completion_time")
+    floor = _floor_p95(ect, sc.warmup)
+    monkeypatch.setattr(core, "make", lambda name: _KnowsLengths())
+    # max_tokens is each answer's true length here (the scenario's default, as the bench)
+    monkeypatch.setattr(OutputEstimate, "expected", lambda self, max_tokens: float(max_tokens))
+    told = run_requests(sc, generate(sc), strategy="estimated_completion_time")
+    ect_p95 = summarize(ect, warmup=sc.warmup).latency_p95
+    told_p95 = summarize(told, warmup=sc.warmup).latency_p95
+    assert told_p95 < 0.97 * ect_p95  # 1.40 against 1.47
+    assert told_p95 > 1.35 * floor
 
 
 # --- the pure pieces ---------------------------------------------------------------------------
