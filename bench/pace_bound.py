@@ -1,7 +1,7 @@
 """The pace bound: how near the floor ANY router could keep the latency p95 on a mixed fleet.
 
     .venv/bin/python bench/pace_bound.py [--trace conv] [--requests 2400] [--load 0.8]
-        [--busy 1,0.95,0.9] [--max-batch-size 16]
+        [--busy 1,0.9,0.85] [--max-batch-size 16]
 
 A fluid estimate (linear programming; scipy's HiGHS), printed by bench/routing.py beside the
 floor and the burst bound, for issue 25's conversation goal (estimated completion time's p95
@@ -23,14 +23,15 @@ per token computed, `kv_s` per context token read; fleet/router/estimates.py):
 - a request on g takes iter_s + prompt · token_s (its prefill in one iteration, not waiting
   for anyone), then one iteration per output token at the pace iter_s + b_g · (…) + stall_g;
 - g's busy seconds (prefill at token_s a prompt token, decode at a 1/b_g share of each
-  iteration) fit in `busy` × its GPUs × the slice's span;
+  iteration) fit in `busy` × its GPUs × the window from the first arrival to R × the floor's
+  p95 after the last (the last requests may finish that late);
 - at most 5 % of the requests take longer than R × the floor's p95 (the p95 is then within it).
 
 For given b_g and stall_g the fewest late requests is a linear program (a request may be split
 between GPU models: the fractional relaxation). The batches and stalls are searched on a grid,
 coordinate by coordinate from a few starts, for each R from 1.2 up in steps of 0.05. Optimistic
 on purpose, so that a goal below the bound is out of reach for routing: no bursts (the load is
-averaged over the span), no queueing (the GPUs may be busy all the time at busy 1), every
+averaged over the window), no queueing (the GPUs may be busy all the time at busy 1), every
 stream at its GPU model's mean pace, prefill without waiting, request sizes rounded down
 (prompts to 25 tokens, answers to 5). Not a theorem: the grid search can miss a better
 setting, and a scheduler that varies the batch over time is not modelled; it says how much of
@@ -127,7 +128,7 @@ class PaceBound:
             took = grp.iter_s + prefill + self.output * pace
             cost[:, g] = took > limit_s
             ub[2 * g, :, g] = prefill + self.output * (grp.iter_s / b + per_stream)  # busy s
-            rhs[2 * g] = busy * grp.count * self.span_s
+            rhs[2 * g] = busy * grp.count * (self.span_s + limit_s)  # the window
             ub[2 * g + 1, :, g] = prefill * b - stall * self.output  # prefill per iteration
         result = linprog(
             cost.ravel(),
@@ -223,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--load", type=float, default=0.8, help="offered load ÷ fleet capacity")
     ap.add_argument("--max-batch-size", type=int, default=16)
-    ap.add_argument("--busy", default="1,0.95,0.9", help="shares of the span the GPUs may be busy")
+    ap.add_argument("--busy", default="1,0.9,0.85", help="shares of the window GPUs may be busy")
     args = ap.parse_args(argv)
     try:
         busy = [float(x) for x in args.busy.split(",") if x.strip()]

@@ -150,8 +150,8 @@ def test_conversation_trace_knowing_every_length_still_misses_1_3_of_the_floor(
     """How far routing alone can go on the conversation trace: a router told every answer's
     length, keeping long answers on the H200s, gives 1.40 × the floor against ECT's 1.47 ×,
     short of 1.3 ×: the fast GPUs' batches are then full of long answers and the prompts
-    prefilled between their steps (bench/pace_bound.py: 1.3 × needs every GPU busy all the
-    time in a fluid model, 1.4 × at 90 %)."""
+    prefilled between their steps (bench/pace_bound.py: 1.3 × needs the GPUs busy 90 % of
+    the time or more in a fluid model, 1.4 × at 85 %)."""
     sc = _scenario("conv")
     requests = generate(sc)
     ect = run_requests(sc, requests, strategy="estimated_completion_time")
