@@ -34,8 +34,9 @@ on purpose, so that a goal below the bound is out of reach for routing: no burst
 averaged over the window), no queueing (the GPUs may be busy all the time at busy 1), every
 stream at its GPU model's mean pace, prefill without waiting, request sizes rounded down
 (prompts to 25 tokens, answers to 5). Not a theorem: the grid search can miss a better
-setting, and a scheduler that varies the batch over time is not modelled; it says how much of
-the fleet's time a goal would take, which a FIFO router at 80 % load cannot give.
+setting, and a scheduler that varies the batch over time is not modelled; it says how busy a
+goal would keep the fleet, against the slack the trace's bursts need. The slice, its offered
+load and the floor are bench/routing.py's (`slice_for`).
 """
 
 from __future__ import annotations
