@@ -11,11 +11,12 @@
   caller waits at most `target.timeouts.call` seconds (`threading.Event.wait`), then raises
   `BmcUnreachable` and drops the session. The abandoned worker ends by itself when pyghmi gives
   up (~5 s); a worker abandoned while queued behind another login to the same BMC does not
-  log in at all, and a login still running when its call times out is ended (pyghmi can lose
-  a login from its retransmit table, and it then waits for ever holding the BMC's lock; see
-  `_break_logins`). Dropping a session and closing happen off the caller's thread. pyghmi's
-  own knobs (module-level `initialtimeout`, per-session `maxtimeout`) are process-wide or reset
-  at login, so they are left alone.
+  log in at all, and a login still running when its call times out is ended, and not tried
+  again (pyghmi can lose a login from its retransmit table, and it then waits for ever
+  holding the BMC's lock; see `_break_logins` and `IpmiDriver._login`). Dropping a session
+  and closing happen off the caller's thread. pyghmi's own knobs (module-level
+  `initialtimeout`, per-session `maxtimeout`) are process-wide or reset at login, so they are
+  left alone.
 - **pyghmi 1.6 quirks handled here.** Credentials are passed as bytes (with str, a second
   Command for the same BMC waits forever on a stale cache entry), and no pyghmi wait lasts
   over 50 ms (a lost wake-up otherwise stalls 1-4 calls in 100 against a local BMC by 0.5-1 s,
@@ -500,7 +501,7 @@ class IpmiDriver(PowerDriver):
             # Credentials as bytes: pyghmi (1.6) keys its session cache with the values given
             # but stores them encoded, so with str a second Command for the same BMC finds a
             # stale "logging in" entry and waits on it forever.
-            cmd = self._login()
+            cmd = self._login(gave_up)
             _acquire_session(cmd.ipmi_session)
         with self._lock:
             if generation == self._generation and self._cmd is None:
@@ -508,7 +509,7 @@ class IpmiDriver(PowerDriver):
                 return cmd, True
         return cmd, False
 
-    def _login(self) -> Any:
+    def _login(self, gave_up: threading.Event) -> Any:
         for attempt in range(LOGIN_ATTEMPTS):
             try:
                 return pyghmi_command.Command(
@@ -524,6 +525,13 @@ class IpmiDriver(PowerDriver):
                 # tripped twice in a row (CI, a wrong password): three tries in all.
                 if "errormsg" not in str(exc) or attempt == LOGIN_ATTEMPTS - 1:
                     raise
+                if gave_up.is_set():
+                    # The call timed out and Fleet ended this login (`_break_logins`), which
+                    # trips the same bug: a new login would wait on the same silent BMC with
+                    # nobody left to end it, holding the BMC's lock.
+                    raise BmcUnreachable(
+                        self.target, "login abandoned: the call timed out"
+                    ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _drop(self, generation: int) -> None:

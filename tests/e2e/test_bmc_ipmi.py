@@ -768,6 +768,28 @@ def test_error_mapping(
     assert_one_line_naming(caught.value, target)
 
 
+def test_a_login_fleet_ended_is_not_logged_in_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When a call times out while logging in, Fleet ends that login (`_break_logins`), which
+    can trip pyghmi's `errormsg` bug below. For an abandoned call the driver must not log in
+    again: nothing would end the new login to the silent BMC, and it would hold the BMC's lock
+    (test_a_login_nothing_drives_is_ended_when_its_call_times_out failed so, its worker alive
+    5 s after the call, in ~1 run in 15)."""
+    attempts: list[int] = []
+
+    def ended_login(**_: Any) -> Any:
+        attempts.append(1)
+        raise AttributeError("'Session' object has no attribute 'errormsg'")
+
+    monkeypatch.setattr(pyghmi_command, "Command", ended_login)
+    driver = IpmiDriver(down_target("gpu-abandoned"))
+    gave_up = threading.Event()
+    gave_up.set()
+    with pytest.raises(BmcUnreachable, match="login abandoned"):
+        driver._login(gave_up)
+    assert len(attempts) == 1
+    driver.close()
+
+
 def test_pyghmi_login_race_is_retried_and_the_real_cause_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
