@@ -976,7 +976,11 @@ class Slice:
     cap_req: float
     rate_sim: float  # offered requests/s
     span_s: float  # first to last arrival
-    floor_p95: float  # each request alone on an idle H200
+    alone: list[tuple[float, float]]  # per request: (TTFT, latency) alone on an idle H200
+
+    @property
+    def floor_p95(self) -> float:
+        return pct([latency for _, latency in self.alone], 0.95)
 
 
 def slice_for(
@@ -1019,7 +1023,7 @@ def slice_for(
         cap_req=cap_tok / mean_out,
         rate_sim=rate_sim,
         span_s=work[-1].at,
-        floor_p95=pct([alone_seconds(h200, p, o)[1] for p, o in sizes], 0.95),
+        alone=[alone_seconds(h200, p, o) for p, o in sizes],
     )
 
 
@@ -1037,8 +1041,7 @@ def trace_phase(args: argparse.Namespace, variants: Sequence[Variant]) -> tuple[
     slow_itl = math.sqrt(
         per_gpu["H100"][1] * cm.predicted_itl_s(shape_for("L40S", batch), 1, eff_in, eff_out)
     )
-    h200 = shape_for("H200", batch)
-    alone = [alone_seconds(h200, p.prompt, p.output) for p in work]
+    alone = sl.alone  # in trace order, as `work`
     floor = ([a[0] for a in alone], [a[1] for a in alone])
     # The burst bound: the same arrivals, one FIFO queue at the predicted capacity (simulated s)
     waits = fluid_waits([p.at * args.speedup for p in work], cap_req)
